@@ -1,0 +1,113 @@
+"""The Python face of the op: the public function, the fake kernels and the autograd formula.
+
+Both ops are defined by the C++ library (csrc/ops.cpp), which must be loaded before this module is imported.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ._checks import IntPair, check_args
+
+
+def deform_conv2d(
+    input: Tensor,
+    offset: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    stride: IntPair = 1,
+    padding: IntPair = 0,
+    dilation: IntPair = 1,
+    mask: Optional[Tensor] = None,
+) -> Tensor:
+    """Deformable convolution (DCNv1; DCNv2 when ``mask`` is given), as ``torchvision.ops.deform_conv2d``.
+
+    Args:
+        input: ``[B, C_in, H, W]``.
+        offset: ``[B, 2 * offset_groups * kh * kw, H_out, W_out]``; channel ``2 * (g * kh * kw + i * kw + j)`` is
+            the y-offset of kernel tap (i, j) in offset group g and the next channel its x-offset.
+        weight: ``[C_out, C_in / groups, kh, kw]``; ``groups`` is inferred from its shape.
+        bias: ``[C_out]`` or None.
+        stride, padding, dilation: an int or a (height, width) pair.
+        mask: ``[B, offset_groups * kh * kw, H_out, W_out]`` modulation (DCNv2) or None.
+
+    Returns:
+        ``[B, C_out, H_out, W_out]``, with ``H_out = (H + 2 * pad_h - dil_h * (kh - 1) - 1) // stride_h + 1``
+        (likewise W_out).
+    """
+    geo = check_args(input, offset, weight, mask, bias, stride, padding, dilation)
+    return torch.ops.deform_conv.deform_conv2d(
+        input, offset, weight, mask, bias, list(geo.stride), list(geo.padding), list(geo.dilation)
+    )
+
+
+@torch.library.register_fake("deform_conv::deform_conv2d")
+def _deform_conv2d_fake(
+    input: Tensor,
+    offset: Tensor,
+    weight: Tensor,
+    mask: Optional[Tensor],
+    bias: Optional[Tensor],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+) -> Tensor:
+    geo = check_args(input, offset, weight, mask, bias, tuple(stride), tuple(padding), tuple(dilation))
+    return input.new_empty((input.shape[0], weight.shape[0], geo.out_h, geo.out_w))
+
+
+@torch.library.register_fake("deform_conv::deform_conv2d_backward")
+def _deform_conv2d_backward_fake(
+    grad_output: Tensor,
+    input: Tensor,
+    offset: Tensor,
+    weight: Tensor,
+    mask: Optional[Tensor],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    bias_defined: bool,
+):
+    geo = check_args(input, offset, weight, mask, None, tuple(stride), tuple(padding), tuple(dilation))
+    expected = (input.shape[0], weight.shape[0], geo.out_h, geo.out_w)
+    if tuple(grad_output.shape) != expected:
+        raise ValueError(f"grad_output must have shape {expected}, got {tuple(grad_output.shape)}")
+    contiguous = torch.contiguous_format
+    return (
+        torch.empty_like(input, memory_format=contiguous),
+        torch.empty_like(offset, memory_format=contiguous),
+        torch.empty_like(weight, memory_format=contiguous),
+        None if mask is None else torch.empty_like(mask, memory_format=contiguous),
+        weight.new_empty((weight.shape[0],)) if bias_defined else None,
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    input, offset, weight, mask, bias, stride, padding, dilation = inputs
+    ctx.save_for_backward(input, offset, weight, mask)
+    ctx.geometry = (stride, padding, dilation)
+    ctx.bias_defined = bias is not None
+
+
+def _backward(ctx, grad_output: Tensor):
+    input, offset, weight, mask = ctx.saved_tensors
+    grad_input, grad_offset, grad_weight, grad_mask, grad_bias = torch.ops.deform_conv.deform_conv2d_backward(
+        grad_output, input, offset, weight, mask, *ctx.geometry, ctx.bias_defined
+    )
+    return grad_input, grad_offset, grad_weight, grad_mask, grad_bias, None, None, None
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "deform_conv2d does not support double backward: its gradient is not differentiable "
+        "(do not pass create_graph=True through it, e.g. for gradient penalties)"
+    )
+
+
+torch.library.register_autograd("deform_conv::deform_conv2d", _backward, setup_context=_setup_context)
+torch.library.register_autograd(
+    "deform_conv::deform_conv2d_backward", _no_double_backward, setup_context=lambda ctx, inputs, output: None
+)

@@ -1,0 +1,101 @@
+#include "conv_params.h"
+
+#include <c10/util/Exception.h>
+
+namespace deform_conv {
+namespace {
+
+void check_pair(c10::IntArrayRef value, const char* name, int64_t minimum) {
+  TORCH_CHECK(value.size() == 2, name, " must have 2 elements (height, width), got ", value.size());
+  TORCH_CHECK(value[0] >= minimum && value[1] >= minimum, name, " must be >= ", minimum, " in both dimensions, got ",
+              value);
+}
+
+void check_like_input(const at::Tensor& t, const char* name, const at::Tensor& input) {
+  TORCH_CHECK(t.scalar_type() == input.scalar_type(), name, " must have the input's dtype ", input.scalar_type(),
+              ", got ", t.scalar_type());
+  TORCH_CHECK(t.device() == input.device(), name, " must be on the input's device ", input.device(), ", got ",
+              t.device());
+}
+
+}  // namespace
+
+ConvParams make_conv_params(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
+                            const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias,
+                            c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation) {
+  TORCH_CHECK(input.dim() == 4, "input must be 4-D [batch, channels, height, width], got shape ", input.sizes());
+  TORCH_CHECK(weight.dim() == 4, "weight must be 4-D [out_channels, in_channels / groups, kernel_h, kernel_w], got shape ",
+              weight.sizes());
+  TORCH_CHECK(offset.dim() == 4, "offset must be 4-D [batch, 2 * offset_groups * kernel_h * kernel_w, out_h, out_w], got shape ",
+              offset.sizes());
+  TORCH_CHECK(at::isFloatingType(input.scalar_type()), "input must be a floating-point tensor, got ", input.scalar_type());
+  check_like_input(offset, "offset", input);
+  check_like_input(weight, "weight", input);
+  check_pair(stride, "stride", 1);
+  check_pair(padding, "padding", 0);
+  check_pair(dilation, "dilation", 1);
+
+  ConvParams p{};
+  p.batch = input.size(0);
+  p.in_channels = input.size(1);
+  p.height = input.size(2);
+  p.width = input.size(3);
+  p.out_channels = weight.size(0);
+  p.kernel_h = weight.size(2);
+  p.kernel_w = weight.size(3);
+  p.stride_h = stride[0];
+  p.stride_w = stride[1];
+  p.pad_h = padding[0];
+  p.pad_w = padding[1];
+  p.dilation_h = dilation[0];
+  p.dilation_w = dilation[1];
+  p.has_mask = mask.has_value();
+
+  TORCH_CHECK(p.kernel_h > 0 && p.kernel_w > 0, "weight's kernel size must be positive, got ", weight.sizes());
+  TORCH_CHECK(weight.size(1) > 0 && p.in_channels % weight.size(1) == 0, "weight.shape[1] (", weight.size(1),
+              ") must divide the input's channel count (", p.in_channels, ")");
+  p.groups = p.in_channels / weight.size(1);
+  TORCH_CHECK(p.out_channels % p.groups == 0, "weight.shape[0] (", p.out_channels,
+              ") must be divisible by groups = in_channels / weight.shape[1] = ", p.groups);
+
+  const int64_t offset_per_group = 2 * p.taps();
+  TORCH_CHECK(offset.size(1) > 0 && offset.size(1) % offset_per_group == 0, "offset.shape[1] must be a positive multiple of 2 * kernel_h * kernel_w = ",
+              offset_per_group, ", got ", offset.size(1));
+  p.offset_groups = offset.size(1) / offset_per_group;
+  TORCH_CHECK(p.in_channels % p.offset_groups == 0, "offset_groups = offset.shape[1] / (2 * kernel_h * kernel_w) = ",
+              p.offset_groups, " must divide the input's channel count (", p.in_channels, ")");
+
+  p.out_h = (p.height + 2 * p.pad_h - p.dilation_h * (p.kernel_h - 1) - 1) / p.stride_h + 1;
+  p.out_w = (p.width + 2 * p.pad_w - p.dilation_w * (p.kernel_w - 1) - 1) / p.stride_w + 1;
+  TORCH_CHECK(p.height + 2 * p.pad_h - p.dilation_h * (p.kernel_h - 1) - 1 >= 0 &&
+                  p.width + 2 * p.pad_w - p.dilation_w * (p.kernel_w - 1) - 1 >= 0,
+              "the output would be smaller than 1x1: input ", p.height, "x", p.width, ", kernel ", p.kernel_h, "x",
+              p.kernel_w, ", padding ", padding, ", dilation ", dilation);
+  TORCH_CHECK(offset.size(0) == p.batch && offset.size(2) == p.out_h && offset.size(3) == p.out_w,
+              "offset must have shape [", p.batch, ", ", offset.size(1), ", ", p.out_h, ", ", p.out_w, "], got ",
+              offset.sizes());
+
+  if (mask.has_value()) {
+    const at::Tensor& m = *mask;
+    check_like_input(m, "mask", input);
+    TORCH_CHECK(m.dim() == 4 && m.size(0) == p.batch && m.size(1) == p.offset_groups * p.taps() &&
+                    m.size(2) == p.out_h && m.size(3) == p.out_w,
+                "mask must have shape [", p.batch, ", ", p.offset_groups * p.taps(), ", ", p.out_h, ", ", p.out_w,
+                "], got ", m.sizes());
+  }
+  if (bias.has_value()) {
+    check_like_input(*bias, "bias", input);
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == p.out_channels, "bias must have shape [", p.out_channels,
+                "], got ", bias->sizes());
+  }
+  return p;
+}
+
+void check_grad_output(const ConvParams& p, const at::Tensor& grad_output) {
+  TORCH_CHECK(grad_output.dim() == 4 && grad_output.size(0) == p.batch && grad_output.size(1) == p.out_channels &&
+                  grad_output.size(2) == p.out_h && grad_output.size(3) == p.out_w,
+              "grad_output must have shape [", p.batch, ", ", p.out_channels, ", ", p.out_h, ", ", p.out_w, "], got ",
+              grad_output.sizes());
+}
+
+}  // namespace deform_conv

@@ -1,0 +1,41 @@
+// Sizes of one deformable convolution, derived once from the tensors and passed to every kernel.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+
+#include "sampling.h"
+
+namespace deform_conv {
+
+struct ConvParams {
+  int64_t batch, in_channels, height, width;    // input   [batch, in_channels, height, width]
+  int64_t out_channels, kernel_h, kernel_w;     // weight  [out_channels, in_channels / groups, kernel_h, kernel_w]
+  int64_t stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w;
+  int64_t groups, offset_groups;                // inferred from the weight's and the offset's shapes
+  int64_t out_h, out_w;                         // output  [batch, out_channels, out_h, out_w]
+  bool has_mask;
+
+  DC_HOST_DEVICE int64_t taps() const { return kernel_h * kernel_w; }
+  DC_HOST_DEVICE int64_t out_pixels() const { return out_h * out_w; }
+  DC_HOST_DEVICE int64_t in_channels_per_group() const { return in_channels / groups; }
+  DC_HOST_DEVICE int64_t out_channels_per_group() const { return out_channels / groups; }
+  DC_HOST_DEVICE int64_t channels_per_offset_group() const { return in_channels / offset_groups; }
+
+  // Where kernel tap (i, j) of output pixel (oy, ox) samples before the learned offset is added.
+  DC_HOST_DEVICE int64_t base_y(int64_t oy, int64_t i) const { return oy * stride_h - pad_h + i * dilation_h; }
+  DC_HOST_DEVICE int64_t base_x(int64_t ox, int64_t j) const { return ox * stride_w - pad_w + j * dilation_w; }
+};
+
+// Checks every tensor against the others (the backstop behind the Python checks, for direct
+// torch.ops calls) and returns the sizes. `grad_output`, when given, must have the output's shape.
+ConvParams make_conv_params(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
+                            const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias,
+                            c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation);
+
+void check_grad_output(const ConvParams& p, const at::Tensor& grad_output);
+
+}  // namespace deform_conv

@@ -1,0 +1,47 @@
+// The three passes over the sampling points on the CPU. They share one data layout:
+//
+//   input    channels-last  [batch, height, width, in_channels]        (channels innermost: contiguous gathers)
+//   offset   contiguous     [batch, 2 * offset_groups * taps, out_h, out_w]
+//   mask     contiguous     [batch, offset_groups * taps, out_h, out_w] (or absent)
+//   columns  contiguous     [images, groups, out_pixels, taps, in_channels / groups]
+//
+// Each group's slice of the columns is a row-major [out_pixels, taps * in_channels_per_group] matrix, so the
+// convolution is one batched GEMM over the groups; the weight is permuted to [groups, out_per_group, taps,
+// in_per_group] to match. `images` consecutive images starting at `first_image` form one chunk.
+#pragma once
+
+#include <cstdint>
+
+#include "../conv_params.h"
+
+namespace deform_conv {
+namespace cpu {
+
+template <typename scalar_t>
+struct SamplingInputs {
+  const scalar_t* input;   // channels-last [batch, height, width, in_channels]
+  const scalar_t* offset;  // [batch, 2 * offset_groups * taps, out_h, out_w]
+  const scalar_t* mask;    // [batch, offset_groups * taps, out_h, out_w], nullptr without a mask
+};
+
+// columns[n, g, pixel, tap, c] = mask * bilinear(input[n, :, :, channel]) at the tap's sampling point.
+template <typename scalar_t>
+void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image, int64_t images,
+                  scalar_t* columns);
+
+// From the columns' gradient: d loss / d offset and d loss / d mask of the chunk's images
+// (grad_mask is nullptr without a mask). Each sampling point sums over its offset group's channels.
+template <typename scalar_t>
+void coordinate_and_mask_grads(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
+                               int64_t images, const scalar_t* grad_columns, scalar_t* grad_offset,
+                               scalar_t* grad_mask);
+
+// From the columns' gradient: adds d loss / d input of the chunk's images into grad_input, channels-last
+// [batch, height, width, in_channels]. Race-free without atomics and deterministic: each task owns one
+// image and one block of channels, and visits the sampling points in a fixed order.
+template <typename scalar_t>
+void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
+                           int64_t images, const scalar_t* grad_columns, scalar_t* grad_input);
+
+}  // namespace cpu
+}  // namespace deform_conv

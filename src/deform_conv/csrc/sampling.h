@@ -1,0 +1,66 @@
+// Bilinear sampling of one point and the derivatives of its weights: the only copy of this math.
+// CPU loops and CUDA kernels both call it (DC_HOST_DEVICE), so the two backends cannot drift apart.
+//
+// Semantics follow torchvision's deform_conv2d (= mmcv = ONNX DeformConv): a point (y, x) with
+// y <= -1, y >= height, x <= -1 or x >= width contributes 0; otherwise each of its four integer
+// neighbours that lies inside the image contributes (bilinear weight) * value, and the neighbours
+// outside contribute exactly 0 (they are left out, not multiplied by 0, so an inf elsewhere in the
+// image cannot turn into NaN).
+#pragma once
+
+#include <c10/macros/Macros.h>
+
+#include <cmath>
+#include <cstdint>
+
+#define DC_HOST_DEVICE C10_HOST_DEVICE
+
+namespace deform_conv {
+
+DC_HOST_DEVICE inline float floor_of(float v) { return floorf(v); }
+DC_HOST_DEVICE inline double floor_of(double v) { return floor(v); }
+
+// The in-image neighbours of one sampling point. `T` is the accumulation type (float or double).
+template <typename T>
+struct BilinearSample {
+  int count = 0;          // neighbours inside the image, 0..4
+  int64_t pixel[4];       // y * width + x of each neighbour
+  T weight[4];            // its bilinear weight
+  T weight_dy[4];         // d weight / d y
+  T weight_dx[4];         // d weight / d x
+};
+
+template <typename T>
+DC_HOST_DEVICE inline void add_neighbour(BilinearSample<T>& s, int64_t pixel, T weight, T weight_dy,
+                                         T weight_dx) {
+  s.pixel[s.count] = pixel;
+  s.weight[s.count] = weight;
+  s.weight_dy[s.count] = weight_dy;
+  s.weight_dx[s.count] = weight_dx;
+  ++s.count;
+}
+
+template <typename T>
+DC_HOST_DEVICE inline BilinearSample<T> bilinear_sample(T y, T x, int64_t height, int64_t width) {
+  BilinearSample<T> s;
+  // Written as a negation so that a NaN coordinate is outside too: it never reaches the
+  // float-to-integer conversion below, which would be undefined behaviour.
+  if (!(y > T(-1) && y < T(height) && x > T(-1) && x < T(width))) return s;
+
+  const T y_floor = floor_of(y);
+  const T x_floor = floor_of(x);
+  const int64_t y0 = static_cast<int64_t>(y_floor);
+  const int64_t x0 = static_cast<int64_t>(x_floor);
+  const T ly = y - y_floor, lx = x - x_floor;  // distance to the top-left neighbour, in [0, 1)
+  const T hy = T(1) - ly, hx = T(1) - lx;
+  const bool top = y0 >= 0, bottom = y0 + 1 < height;
+  const bool left = x0 >= 0, right = x0 + 1 < width;
+
+  if (top && left) add_neighbour(s, y0 * width + x0, hy * hx, -hx, -hy);
+  if (top && right) add_neighbour(s, y0 * width + x0 + 1, hy * lx, -lx, hy);
+  if (bottom && left) add_neighbour(s, (y0 + 1) * width + x0, ly * hx, hx, -ly);
+  if (bottom && right) add_neighbour(s, (y0 + 1) * width + x0 + 1, ly * lx, lx, ly);
+  return s;
+}
+
+}  // namespace deform_conv
