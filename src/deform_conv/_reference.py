@@ -2,7 +2,8 @@
 
 Differentiable by autograd, so its gradients are the reference for ours. Semantics as in torchvision:
 a sampling point with y <= -1, y >= H, x <= -1 or x >= W gives 0; otherwise each in-image neighbour
-contributes its bilinear weight times its value and out-of-image neighbours contribute nothing.
+contributes its bilinear weight times its value and out-of-image neighbours contribute nothing. At the
+kinks (integer coordinates, -1 included) the gradient is the one-sided derivative from above.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from ._checks import IntPair, check_args
 def _bilinear(images: Tensor, y: Tensor, x: Tensor) -> Tensor:
     """Samples ``images`` [B, G, C, H, W] at points y, x [B, G, N] -> [B, G, C, N]."""
     batch, groups, channels, height, width = images.shape
-    inside = (y > -1) & (y < height) & (x > -1) & (x < width)
+    # >= -1 rather than > -1: the value at -1 is 0 either way (the in-image neighbours' weights are 0), but
+    # this way the gradient there is the one-sided derivative from above, as in torchvision and our kernels.
+    inside = (y >= -1) & (y < height) & (x >= -1) & (x < width)
     # Outside (or NaN) points are moved to 0 before the integer conversion; they are masked out below.
     y = torch.where(inside, y, torch.zeros_like(y))
     x = torch.where(inside, x, torch.zeros_like(x))

@@ -4,8 +4,12 @@
 // Semantics follow torchvision's deform_conv2d (= mmcv = ONNX DeformConv): a point (y, x) with
 // y <= -1, y >= height, x <= -1 or x >= width contributes 0; otherwise each of its four integer
 // neighbours that lies inside the image contributes (bilinear weight) * value, and the neighbours
-// outside contribute exactly 0 (they are left out, not multiplied by 0, so an inf elsewhere in the
-// image cannot turn into NaN).
+// outside contribute exactly 0 (they are left out, not multiplied by 0).
+//
+// The interpolant has kinks at integer coordinates; there the derivatives are the one-sided ones from
+// above, as torchvision's. That holds at y = -1 and x = -1 too: the value there is 0, but moving the point
+// inwards brings row (column) 0 in, so the gradient is not 0. This matters in practice: zero offsets with
+// padding 1 (a freshly initialised layer) put the border taps exactly at -1.
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -44,8 +48,9 @@ template <typename T>
 DC_HOST_DEVICE inline BilinearSample<T> bilinear_sample(T y, T x, int64_t height, int64_t width) {
   BilinearSample<T> s;
   // Written as a negation so that a NaN coordinate is outside too: it never reaches the
-  // float-to-integer conversion below, which would be undefined behaviour.
-  if (!(y > T(-1) && y < T(height) && x > T(-1) && x < T(width))) return s;
+  // float-to-integer conversion below, which would be undefined behaviour. At y == -1 (x == -1) the
+  // only in-image neighbours have weight 0: the value is 0 and the derivative the one from above.
+  if (!(y >= T(-1) && y < T(height) && x >= T(-1) && x < T(width))) return s;
 
   const T y_floor = floor_of(y);
   const T x_floor = floor_of(x);

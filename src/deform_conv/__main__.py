@@ -1,0 +1,115 @@
+"""Command line: ``deform-conv`` (== ``python -m deform_conv``).
+
+``deform-conv [check]`` builds the kernels if needed, runs the op once against the pure-PyTorch reference
+(forward and every gradient) and prints the versions, the cache entry, whether it was built now, and timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, List, Sequence
+
+import torch
+
+import deform_conv
+from deform_conv import _build
+
+
+def _median_ms(fn: Callable[[], object], repeats: int = 7) -> float:
+    fn()  # warm-up
+    times: List[float] = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _case(dtype: torch.dtype, batch: int = 3):
+    """Awkward geometry: kernel 3x2, stride (2, 1), padding (1, 0), dilation (2, 1), 2 groups, 3 offset groups."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 6, 13, 8, dtype=dtype, generator=g)
+    weight = torch.randn(4, 3, 3, 2, dtype=dtype, generator=g)
+    offset = 2 * torch.randn(batch, 2 * 3 * 6, 6, 7, dtype=dtype, generator=g)
+    mask = torch.rand(batch, 3 * 6, 6, 7, dtype=dtype, generator=g)
+    bias = torch.randn(4, dtype=dtype, generator=g)
+    return (x, offset, weight, bias, (2, 1), (1, 0), (2, 1), mask)
+
+
+def _max_errors(dtype: torch.dtype) -> List[float]:
+    """Largest absolute difference from the reference of the output and of the five gradients."""
+    args = _case(dtype)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    results = []
+    for fn in (deform_conv.deform_conv2d, deform_conv.deform_conv2d_reference):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        it = iter(leaves)
+        call = [next(it) if isinstance(a, torch.Tensor) else a for a in args]
+        out = fn(*call)
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        results.append([out, *grads])
+    return [(a - b).abs().max().item() for a, b in zip(*results)]
+
+
+def check() -> int:
+    lib = deform_conv.library
+    cuda = torch.version.cuda
+    gpus = torch.cuda.device_count() if cuda else 0
+    print(f"deform_conv {deform_conv.__version__} self-check")
+    print(f"  python     {platform.python_version()} on {platform.platform()}")
+    print(f"  torch      {torch.__version__} (CUDA {cuda or 'none'}; {gpus} GPU(s) visible)")
+    print(f"  compiler   {_build.compiler_version()}")
+    print(f"  cache      {lib.entry}")
+    if lib.from_cache:
+        print(f"  library    loaded from the cache in {lib.load_seconds * 1e3:.1f} ms")
+    else:
+        print(f"  library    built now in {lib.build_seconds:.1f} s")
+
+    tolerances = {torch.float64: 1e-10, torch.float32: 1e-4}
+    ok = True
+    names = ("output", "grad_input", "grad_offset", "grad_weight", "grad_bias", "grad_mask")
+    for dtype, tol in tolerances.items():
+        errors = _max_errors(dtype)
+        worst = max(errors)
+        passed = worst <= tol
+        ok &= passed
+        detail = ", ".join(f"{n} {e:.1e}" for n, e in zip(names, errors))
+        print(f"  {str(dtype):14s} {'PASS' if passed else 'FAIL'} vs reference (max |diff| <= {tol:.0e}): {detail}")
+
+    x = torch.randn(4, 64, 32, 32)
+    weight = torch.randn(64, 64, 3, 3)
+    offset = torch.randn(4, 18, 32, 32)
+    mask = torch.rand(4, 9, 32, 32)
+    fwd = _median_ms(lambda: deform_conv.deform_conv2d(x, offset, weight, padding=1, mask=mask))
+    leaves = [t.clone().requires_grad_() for t in (x, offset, weight, mask)]
+
+    def fwd_bwd() -> None:
+        out = deform_conv.deform_conv2d(leaves[0], leaves[1], leaves[2], padding=1, mask=leaves[3])
+        out.sum().backward()
+
+    both = _median_ms(fwd_bwd)
+    print(
+        f"  timings    batch 4, 64->64, 32x32, 3x3, fp32, {torch.get_num_threads()} threads: "
+        f"forward {fwd:.1f} ms, forward+backward {both:.1f} ms (median of 7)"
+    )
+    print("OK" if ok else "FAILED: the op disagrees with the reference")
+    return 0 if ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deform-conv", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("check", help="build if needed and check the op against the reference (the default)")
+    args = parser.parse_args(argv)
+    if args.command in (None, "check"):
+        return check()
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Shared test inputs: the awkward geometry, and helpers that run an op and collect every gradient."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List, Optional, Tuple
+
+import pytest
+import torch
+
+import deform_conv
+
+# Tolerances per dtype, (rtol, atol): what the arithmetic allows, never widened to make a test pass.
+TOLERANCES = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-5, 1e-5)}
+
+
+@dataclasses.dataclass
+class Case:
+    input: torch.Tensor     # [B, C_in, H, W]
+    offset: torch.Tensor    # [B, 2 * offset_groups * kh * kw, H_out, W_out]
+    weight: torch.Tensor    # [C_out, C_in / groups, kh, kw]
+    bias: Optional[torch.Tensor]
+    mask: Optional[torch.Tensor]
+    stride: Tuple[int, int]
+    padding: Tuple[int, int]
+    dilation: Tuple[int, int]
+
+    def tensors(self) -> List[torch.Tensor]:
+        return [t for t in (self.input, self.offset, self.weight, self.bias, self.mask) if t is not None]
+
+    def call(self, fn: Callable, tensors: List[torch.Tensor]) -> torch.Tensor:
+        it = iter(tensors)
+        input, offset, weight = next(it), next(it), next(it)
+        bias = next(it) if self.bias is not None else None
+        mask = next(it) if self.mask is not None else None
+        return fn(input, offset, weight, bias, self.stride, self.padding, self.dilation, mask)
+
+
+def make_case(
+    dtype: torch.dtype = torch.float64,
+    batch: int = 3,
+    in_channels: int = 6,
+    out_channels: int = 4,
+    size: Tuple[int, int] = (13, 8),
+    kernel: Tuple[int, int] = (3, 2),
+    stride: Tuple[int, int] = (2, 1),
+    padding: Tuple[int, int] = (1, 0),
+    dilation: Tuple[int, int] = (2, 1),
+    groups: int = 2,
+    offset_groups: int = 3,
+    with_mask: bool = True,
+    with_bias: bool = True,
+    offset_scale: float = 2.0,
+    seed: int = 0,
+) -> Case:
+    """Defaults are the awkward geometry: kernel 3x2, stride (2, 1), padding (1, 0), dilation (2, 1),
+    2 weight groups, 3 offset groups (which do not nest in the weight groups). Offsets of scale 2 send
+    many sampling points across the border and outside the image."""
+    g = torch.Generator().manual_seed(seed)
+    height, width = size
+    kh, kw = kernel
+    out_h = (height + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    out_w = (width + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    taps = kh * kw
+    return Case(
+        input=torch.randn(batch, in_channels, height, width, dtype=dtype, generator=g),
+        offset=offset_scale * torch.randn(batch, 2 * offset_groups * taps, out_h, out_w, dtype=dtype, generator=g),
+        weight=torch.randn(out_channels, in_channels // groups, kh, kw, dtype=dtype, generator=g),
+        bias=torch.randn(out_channels, dtype=dtype, generator=g) if with_bias else None,
+        mask=torch.rand(batch, offset_groups * taps, out_h, out_w, dtype=dtype, generator=g) if with_mask else None,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+    )
+
+
+def output_and_grads(fn: Callable, case: Case, tensors: Optional[List[torch.Tensor]] = None, seed: int = 1):
+    """Runs ``fn`` on the case and returns [output, d/d each tensor of the case] for a fixed random grad_output."""
+    leaves = [t.detach().clone().requires_grad_() for t in (tensors or case.tensors())]
+    out = case.call(fn, leaves)
+    grad_output = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(seed))
+    grads = torch.autograd.grad(out, leaves, grad_output) if out.numel() else [torch.zeros_like(t) for t in leaves]
+    return [out.detach(), *grads]
+
+
+def assert_all_close(actual, expected, dtype: torch.dtype) -> None:
+    rtol, atol = TOLERANCES[dtype]
+    names = ["output", "grad_input", "grad_offset", "grad_weight", "grad_bias / grad_mask", "grad_mask"]
+    assert len(actual) == len(expected)
+    for name, a, e in zip(names, actual, expected):
+        torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(params=[torch.float64, torch.float32], ids=["fp64", "fp32"])
+def dtype(request) -> torch.dtype:
+    return request.param
+
+
+OPS = {"ours": deform_conv.deform_conv2d, "reference": deform_conv.deform_conv2d_reference}
