@@ -78,9 +78,11 @@ class DeformConv2d(nn.Module):
 
 
 class _PackBase(nn.Module):
-    """What both mmcv-compatible layers share: the main weight, the zero-initialised ``conv_offset`` that
-    predicts ``offset_channels_per_group * deform_groups * kh * kw`` channels from the input, and the
-    renaming of pre-version-2 checkpoint keys (``<name>_offset.*`` -> ``<name>.conv_offset.*``) as mmcv does."""
+    """What both mmcv-compatible layers share: the main weight and the zero-initialised ``conv_offset`` that
+    predicts ``offset_channels_per_group * deform_groups * kh * kw`` channels from the input.
+
+    ``_version = 2`` is recorded in state_dict metadata as mmcv does. (mmcv's renaming of pre-version-2 keys
+    ``<name>_offset.*`` cannot work in current torch, which hands a child only the keys under its own prefix.)"""
 
     _version = 2
 
@@ -130,15 +132,6 @@ class _PackBase(nn.Module):
                 self.bias.zero_()
             self.conv_offset.weight.zero_()
             self.conv_offset.bias.zero_()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        version = local_metadata.get("version", None)
-        if version is None or version < 2:
-            for suffix in ("weight", "bias"):
-                old, new = f"{prefix[:-1]}_offset.{suffix}", f"{prefix}conv_offset.{suffix}"
-                if new not in state_dict and old in state_dict:
-                    state_dict[new] = state_dict.pop(old)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def extra_repr(self) -> str:
         return (

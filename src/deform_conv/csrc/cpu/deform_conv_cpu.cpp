@@ -38,7 +38,8 @@ at::Tensor weight_as_matrices(const ConvParams& p, const at::Tensor& weight) {
 at::Tensor matrices_as_weight(const ConvParams& p, const at::Tensor& matrices) {
   return matrices.view({p.groups, p.out_channels_per_group(), p.taps(), p.in_channels_per_group()})
       .permute({0, 1, 3, 2})
-      .reshape({p.out_channels, p.in_channels_per_group(), p.kernel_h, p.kernel_w});
+      .reshape({p.out_channels, p.in_channels_per_group(), p.kernel_h, p.kernel_w})
+      .contiguous();
 }
 
 // Contiguous tensors that the sampling passes read, kept alive for as long as the pointers are used.
