@@ -69,10 +69,10 @@ def test_cache_root_resolution(monkeypatch, tmp_path):
 
 
 def test_later_imports_load_from_the_cache_silently():
-    entry = deform_conv.library.entry
-    assert (entry / "key.json").is_file() and deform_conv.library.path.is_file()
+    entry = deform_conv.libraries[0].entry
+    assert (entry / "key.json").is_file() and deform_conv.libraries[0].path.is_file()
     result = subprocess.run(
-        [sys.executable, "-c", "import deform_conv; print(deform_conv.library.from_cache, deform_conv.library.entry)"],
+        [sys.executable, "-c", "import deform_conv; print(deform_conv.library.from_cache, deform_conv.libraries[0].entry)"],
         capture_output=True, text=True, env=_env(DEFORM_CONV_CACHE_DIR=str(entry.parent)), check=True,
     )
     assert result.stdout.split() == ["True", str(entry)]

@@ -1,15 +1,57 @@
 """Deformable convolution (DCNv1 and DCNv2) for PyTorch, with C++ kernels built for this machine on first import.
 
-Importing the package loads the kernel library from the cache, compiling it once if needed (see ``_build``).
+Importing the package loads the kernel libraries from the cache, compiling them once if needed (``_build``):
+the CPU library always, the CUDA library when a GPU is visible or $TORCH_CUDA_ARCH_LIST asks for one.
 """
 
+import os as _os
+import sys as _sys
+import warnings as _warnings
+from typing import Tuple as _Tuple
+
 from ._version import __version__
-from ._build import BuildError, cache_root
-from ._build import load as _load_library
+from ._build import BuildError, LoadedLibrary, cache_root
+from . import _build, _ops
 
-library = _load_library()  # what was loaded, from where, and whether it was just built
+libraries: _Tuple[LoadedLibrary, ...] = ()  # what was loaded, from where, and whether it was just built
 
-from ._ops import deform_conv2d  # noqa: E402  (the ops must be registered first)
+
+def _load_libraries() -> _Tuple[LoadedLibrary, ...]:
+    """Loads (building once) the libraries this machine needs; with DEFORM_CONV_FALLBACK=reference a failed
+    build warns and leaves the pure-PyTorch implementation in charge instead of raising."""
+    global libraries
+    try:
+        libraries = _build.load_all()
+    except BuildError as error:
+        if _os.environ.get("DEFORM_CONV_FALLBACK", "") != "reference":
+            raise
+        _warnings.warn(
+            "deform_conv: the kernels could not be built, running the slow pure-PyTorch implementation instead "
+            f"(DEFORM_CONV_FALLBACK=reference). The build said:\n{error}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        libraries = ()
+    _ops.use_compiled_kernels({lib.variant.kind for lib in libraries})
+    return libraries
+
+
+def _invoked_as_command_line() -> bool:
+    """True while `python -m deform_conv ...` or `deform-conv ...` is starting: the command line decides
+    itself what to load (`doctor`, `clean` and `build --cpu-only` must work even where a build would fail)."""
+    if _os.path.basename(_sys.argv[0] if _sys.argv else "") == "deform-conv":
+        return True
+    # While `python -m X` imports X's package, sys.argv[0] is "-m"; orig_argv (3.10+) tells which X.
+    orig = getattr(_sys, "orig_argv", [])
+    return bool(_sys.argv) and _sys.argv[0] == "-m" and any(
+        a == "-m" and b == "deform_conv" for a, b in zip(orig, orig[1:])
+    )
+
+
+if not _invoked_as_command_line():
+    _load_libraries()
+
+from ._ops import deform_conv2d  # noqa: E402
 from ._reference import deform_conv2d_reference  # noqa: E402
 from .nn import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack  # noqa: E402
 
@@ -17,10 +59,11 @@ __all__ = [
     "BuildError",
     "DeformConv2d",
     "DeformConv2dPack",
+    "LoadedLibrary",
     "ModulatedDeformConv2dPack",
     "__version__",
     "cache_root",
     "deform_conv2d",
     "deform_conv2d_reference",
-    "library",
+    "libraries",
 ]

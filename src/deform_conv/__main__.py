@@ -2,6 +2,7 @@
 
 ``deform-conv [check]`` builds the kernels if needed, runs the op once against the pure-PyTorch reference
 (forward and every gradient) and prints the versions, the cache entry, whether it was built now, and timings.
+``doctor``, ``build`` and ``clean`` look after the kernel cache.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
 import deform_conv
-from deform_conv import _build
+from deform_conv import _build, _doctor, _toolchain
 
 
 def _median_ms(fn: Callable[[], object], repeats: int = 7) -> float:
@@ -56,18 +57,18 @@ def _max_errors(dtype: torch.dtype) -> List[float]:
 
 
 def check() -> int:
-    lib = deform_conv.library
     cuda = torch.version.cuda
     gpus = torch.cuda.device_count() if cuda else 0
     print(f"deform_conv {deform_conv.__version__} self-check")
     print(f"  python     {platform.python_version()} on {platform.platform()}")
     print(f"  torch      {torch.__version__} (CUDA {cuda or 'none'}; {gpus} GPU(s) visible)")
-    print(f"  compiler   {_build.compiler_version()}")
-    print(f"  cache      {lib.entry}")
-    if lib.from_cache:
-        print(f"  library    loaded from the cache in {lib.load_seconds * 1e3:.1f} ms")
-    else:
-        print(f"  library    built now in {lib.build_seconds:.1f} s")
+    cxx = _toolchain.find_cxx()
+    print(f"  compiler   {_toolchain.identify(cxx, _build.cache_root() / 'toolchains.json') if cxx else 'none found'}")
+    print(f"  cache      {_build.cache_root()}")
+    for lib in deform_conv.libraries:
+        how = (f"loaded from the cache in {lib.load_seconds * 1e3:.1f} ms" if lib.from_cache
+               else f"built now in {lib.build_seconds:.1f} s")
+        print(f"  {lib.variant.kind:10s} {lib.entry.name}: {how}")
 
     tolerances = {torch.float64: 1e-10, torch.float32: 1e-4}
     ok = True
@@ -100,15 +101,45 @@ def check() -> int:
     return 0 if ok else 1
 
 
+def build(cuda_arch: Optional[str], cpu_only: bool) -> int:
+    """Prebuilds into the cache (without loading), e.g. before launching N training processes, or for a GPU
+    this machine does not have."""
+    variants = [_build.Variant("cpu")]
+    archs = () if cpu_only else _build.requested_cuda_archs(cuda_arch)
+    if archs:
+        variants.append(_build.Variant("cuda", archs))
+    root = _build.cache_root()
+    for variant in variants:
+        found = _build.find_complete_entry(variant, root)
+        entry = found[0] if found else _build.build(variant, root, load=False)
+        print(f"{variant.label}: {entry}{' (already built)' if found else ''}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deform-conv", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("check", help="build if needed and check the op against the reference (the default)")
+    sub.add_parser("doctor", help="show the toolchain, GPUs and cache, with a remedy for each problem found")
+    build_parser = sub.add_parser("build", help="prebuild the kernels into the cache without loading them")
+    build_parser.add_argument("--cuda-arch", help="GPU archs to build for, e.g. '8.0;9.0' (default: the visible GPUs "
+                              "or $TORCH_CUDA_ARCH_LIST)")
+    build_parser.add_argument("--cpu-only", action="store_true", help="build only the CPU library")
+    clean_parser = sub.add_parser("clean", help="remove cache entries")
+    clean_parser.add_argument("--stale", action="store_true", help="remove only entries the current setup would not load")
     args = parser.parse_args(argv)
-    if args.command in (None, "check"):
+    try:
+        if args.command == "doctor":
+            return _doctor.doctor()
+        if args.command == "build":
+            return build(args.cuda_arch, args.cpu_only)
+        if args.command == "clean":
+            return _doctor.clean(args.stale)
+        deform_conv._load_libraries()
         return check()
-    parser.error(f"unknown command {args.command!r}")
-    return 2
+    except deform_conv.BuildError as error:
+        print(f"deform-conv: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,19 @@
-"""Builds the kernel library once per machine and loads it: sources, flags, cache key and errors live here.
+"""Builds each kernel library once per machine and loads it: cache key, entries, lock, build, errors.
 
-The library has no Python bindings (no pybind11, no ``Python.h``): it only registers ops with the
-dispatcher, so it is loaded with ``torch.ops.load_library`` and does not depend on the Python version.
+A library has no Python bindings (no pybind11, no ``Python.h``): it only registers ops with the dispatcher,
+so it is loaded with ``torch.ops.load_library`` and does not depend on the Python version.
+
+Cache layout under :func:`cache_root`::
+
+    <tag>-torch<version>-<environment hash>-<toolchain hash>/   one complete entry: key.json, the library, build.log
+    .build-<entry>-XXXX/                                         a build in progress (private; renamed when done)
+    .locks/<entry>.lock                                          OS-level lock (released by the kernel if its holder dies)
+    logs/<entry>.log                                             the log of a failed build
+    toolchains.json                                              compiler versions, so warm imports never run them
+
+Warm path: a stat of the compiler, a hash check of the library, ``torch.ops.load_library``; no compiler,
+ninja or cpp_extension. Build path: lock, re-check, compile in a private directory (in a child process, so
+the parent loads only the published library), write key.json last, rename into place.
 """
 
 from __future__ import annotations
@@ -11,36 +23,61 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
-import time
+import re
+import tempfile
 from pathlib import Path
+from typing import Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
+from . import _sources, _toolchain
+from ._progress import Elapsed, say
 from ._version import __version__
 
-CSRC = Path(__file__).resolve().parent / "csrc"
-
-# Sources compiled into the CPU library, relative to csrc/. Every header under csrc/ enters the cache key too.
-CPU_SOURCES = ("ops.cpp", "conv_params.cpp", "cpu/sampling_passes.cpp", "cpu/deform_conv_cpu.cpp")
-
-# -fopenmp makes at::parallel_for use threads (its OpenMP backend is header code compiled into this library);
-# the linked libgomp.so.1 resolves to the one torch has already loaded.
-CXX_FLAGS = ("-O3", "-fopenmp")
-LD_FLAGS = ("-fopenmp",)
+PACKAGE_DIR = Path(__file__).resolve().parent
+CSRC = PACKAGE_DIR / _sources.CSRC_DIR
+PREBUILT = PACKAGE_DIR / "_prebuilt"  # libraries built at install time with DEFORM_CONV_AOT=1 (setup.py)
+KEY_FILE = "key.json"
 
 
 class BuildError(RuntimeError):
-    """The kernels could not be compiled; the message carries the compiler's output and a remedy."""
+    """The kernels could not be built; the message carries the compiler's last lines, the log and a remedy."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One library: the CPU one (every schema + CPU kernels) or the CUDA one for a list of GPU archs."""
+
+    kind: str                          # "cpu" or "cuda"
+    cuda_archs: Tuple[str, ...] = ()   # TORCH_CUDA_ARCH_LIST entries, e.g. ("8.0", "9.0+PTX")
+
+    @property
+    def sources(self) -> Tuple[str, ...]:
+        return _sources.CPU_SOURCES if self.kind == "cpu" else _sources.CUDA_SOURCES
+
+    @property
+    def label(self) -> str:
+        if self.kind == "cpu":
+            return "CPU kernels"
+        return "CUDA kernels for " + ", ".join("sm_" + a.replace(".", "") for a in self.cuda_archs)
+
+    @property
+    def tag(self) -> str:
+        if self.kind == "cpu":
+            return "cpu"
+        return "cuda-" + "_".join("sm" + a.replace(".", "").replace("+PTX", "ptx") for a in self.cuda_archs)
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadedLibrary:
-    """What ``import deform_conv`` loaded, for the self-check and for bug reports."""
+    """What ``import deform_conv`` loaded, for the self-check, ``doctor`` and bug reports."""
 
-    path: Path              # the shared library
-    entry: Path             # its cache entry (a directory)
+    variant: Variant
+    path: Path
+    entry: Path             # its cache entry (or the bundled _prebuilt directory)
     from_cache: bool        # False when this process compiled it
     build_seconds: float    # 0.0 when loaded from the cache
     load_seconds: float
@@ -55,93 +92,321 @@ def cache_root() -> Path:
     return base / "deform_conv"
 
 
-def compiler_version() -> str:
-    """First line of ``$CXX --version`` (the compiler torch.utils.cpp_extension will call)."""
-    compiler = os.environ.get("CXX", "c++")
-    try:
-        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"{compiler}: not usable ({exc})"
-    return (out.stdout or out.stderr).splitlines()[0].strip() if (out.stdout or out.stderr) else compiler
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
-def key_inputs() -> dict:
-    """Everything the built library depends on; a change in any of them selects another cache entry."""
-    sources = sorted(p for p in CSRC.rglob("*") if p.suffix in {".h", ".cuh", ".cpp", ".cu"})
+def _file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    for path in sources:
-        digest.update(path.relative_to(CSRC).as_posix().encode())
-        digest.update(path.read_bytes())
-    return {
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sources_sha256() -> str:
+    """One hash over every source and header under csrc/ (names and contents)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in CSRC.rglob("*") if p.suffix in {".h", ".cuh", ".cpp", ".cu"}):
+        digest.update(path.relative_to(CSRC).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def environment_inputs(variant: Variant) -> Dict[str, object]:
+    """The key inputs known without running any tool: what the library is built from and for."""
+    inputs: Dict[str, object] = {
+        "variant": variant.kind,
         "package_version": __version__,
-        "sources_sha256": digest.hexdigest(),
-        "cxx_flags": list(CXX_FLAGS),
-        "ld_flags": list(LD_FLAGS),
+        "sources_sha256": sources_sha256(),
+        "cxx_flags": list(_sources.CXX_FLAGS),
+        "ld_flags": list(_sources.LD_FLAGS),
         "torch_version": torch.__version__,
-        "torch_cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+        "torch_cxx11_abi": torch.compiled_with_cxx11_abi(),
         "torch_cuda": torch.version.cuda,
         "platform": f"{sys.platform}-{platform.machine()}",
     }
+    if variant.kind == "cuda":
+        inputs["nvcc_flags"] = list(_sources.NVCC_FLAGS)
+        inputs["cuda_archs"] = list(variant.cuda_archs)
+    return inputs
 
 
-def entry_name(inputs: dict) -> str:
-    """Directory name of the cache entry: readable prefix, hash of every key input."""
-    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
-    torch_tag = inputs["torch_version"].replace("+", "_")
-    return f"cpu-torch{torch_tag}-{digest}"
+def toolchain_inputs(variant: Variant, root: Path) -> Optional[Dict[str, str]]:
+    """The compiler's (and for CUDA, nvcc's) id and version; None when a tool is missing."""
+    memo = root / "toolchains.json"
+    cxx = _toolchain.find_cxx()
+    if cxx is None:
+        return None
+    tools = {"cxx": _toolchain.identify(cxx, memo)}
+    if variant.kind == "cuda":
+        nvcc = _toolchain.find_nvcc()
+        if nvcc is None:
+            return None
+        tools["nvcc"] = _toolchain.identify(nvcc, memo)
+    return tools
 
 
-def _say(message: str) -> None:
-    print(f"deform_conv: {message}", file=sys.stderr, flush=True)
+def _hash_of(inputs: Dict[str, object]) -> str:
+    return _sha256(json.dumps(inputs, sort_keys=True).encode())
 
 
-def _compile(name: str, entry: Path) -> Path:
-    from torch.utils import cpp_extension  # imported only when a build is needed
+def entry_prefix(variant: Variant, environment: Dict[str, object]) -> str:
+    torch_tag = str(environment["torch_version"]).replace("+", "_")
+    return f"{variant.tag}-torch{torch_tag}-{_hash_of(environment)[:12]}"
 
-    verbose = os.environ.get("DEFORM_CONV_VERBOSE", "") == "1"
+
+def entry_name(variant: Variant, environment: Dict[str, object], tools: Dict[str, str]) -> str:
+    """Readable prefix, then a hash of the environment inputs and one of the toolchain."""
+    return f"{entry_prefix(variant, environment)}-{_hash_of(tools)[:8]}"
+
+
+def read_key(directory: Path, key_file: str = KEY_FILE) -> Optional[dict]:
+    """The entry's key file if the entry is complete and its library intact, else None."""
     try:
-        cpp_extension.load(
-            name=name,
-            sources=[str(CSRC / s) for s in CPU_SOURCES],
-            extra_cflags=list(CXX_FLAGS),
-            extra_ldflags=list(LD_FLAGS),
-            build_directory=str(entry),
-            is_python_module=False,
-            with_cuda=False,
-            verbose=verbose,
-        )
-    except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
-        output = str(exc).strip().splitlines()
-        tail = "\n".join(output[-40:])
-        raise BuildError(
-            f"compiling deform_conv's CPU kernels in {entry} failed:\n{tail}\n\n"
-            "Remedy: install a C++17 compiler (e.g. `apt-get install g++`) and ninja (`pip install ninja`), "
-            "then import again; set DEFORM_CONV_VERBOSE=1 to see every compiler command."
-        ) from exc
-    return entry / f"{name}.so"
+        key = json.loads((directory / key_file).read_text())
+        library = directory / key["library"]
+        if _file_sha256(library) != key["library_sha256"]:
+            return None  # truncated or overwritten: rebuilt below
+        return key
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
-def load() -> LoadedLibrary:
-    """Loads the CPU library from the cache, compiling it first if this machine has no entry for it yet."""
-    inputs = key_inputs()
-    entry = cache_root() / entry_name(inputs)
-    name = "deform_conv_" + entry.name.rsplit("-", 1)[1]
-    library = entry / f"{name}.so"
-    complete = entry / "key.json"  # written last: its presence means the library is whole
-
-    build_seconds = 0.0
-    from_cache = library.is_file() and complete.is_file()
-    if not from_cache:
-        entry.mkdir(parents=True, exist_ok=True)
-        _say(f"compiling the CPU kernels for torch {torch.__version__} into {entry} (once; later imports load it)")
-        start = time.perf_counter()
-        library = _compile(name, entry)
-        build_seconds = time.perf_counter() - start
-        complete.write_text(json.dumps(inputs, indent=2, sort_keys=True) + "\n")
-        _say(f"built in {build_seconds:.1f} s")
-        load_seconds = 0.0  # cpp_extension.load has already loaded it
-    else:
-        start = time.perf_counter()
+def _load(variant: Variant, directory: Path, key: dict, build_seconds: Optional[float] = None) -> LoadedLibrary:
+    library = directory / key["library"]
+    timer = Elapsed("loading", quiet=True)
+    with timer:
         torch.ops.load_library(str(library))
-        load_seconds = time.perf_counter() - start
-    return LoadedLibrary(library, entry, from_cache, build_seconds, load_seconds)
+    return LoadedLibrary(variant, library, directory, build_seconds is None, build_seconds or 0.0, timer.seconds)
+
+
+def prebuilt_key_file(variant: Variant) -> str:
+    return f"{variant.kind}.json"
+
+
+def _matching_prebuilt(variant: Variant, environment: Dict[str, object]) -> Optional[dict]:
+    """The key of the library bundled at install time (DEFORM_CONV_AOT=1) if it was built for exactly this
+    environment, else None."""
+    key = read_key(PREBUILT, prebuilt_key_file(variant))
+    return key if key is not None and key.get("environment") == environment else None
+
+
+def find_complete_entry(variant: Variant, root: Path) -> Optional[Tuple[Path, dict]]:
+    """The complete cache entry for this variant, or None. Runs no tool: with no compiler on PATH (a
+    deployment box), any entry built for exactly this environment by any compiler will do."""
+    environment = environment_inputs(variant)
+    tools = toolchain_inputs(variant, root)
+    if tools is not None:
+        candidates: Iterable[Path] = [root / entry_name(variant, environment, tools)]
+    else:
+        candidates = sorted(root.glob(entry_prefix(variant, environment) + "-*"), reverse=True)
+    for directory in candidates:
+        key = read_key(directory)
+        if key is not None and key.get("environment") == environment:
+            return directory, key
+    return None
+
+
+def load(variant: Variant) -> LoadedLibrary:
+    """Loads ``variant``'s library: the bundled one if its key matches, else the cache entry, building it
+    first if this machine has none."""
+    environment = environment_inputs(variant)
+    prebuilt = _matching_prebuilt(variant, environment)
+    if prebuilt is not None:
+        return _load(variant, PREBUILT, prebuilt)
+    root = cache_root()
+    found = find_complete_entry(variant, root)
+    if found is not None:
+        return _load(variant, *found)
+    loaded = build(variant, root)
+    assert isinstance(loaded, LoadedLibrary)
+    return loaded
+
+
+def requested_cuda_archs(explicit: Optional[str] = None) -> Tuple[str, ...]:
+    """GPU archs to build the CUDA library for: ``explicit`` (the CLI's --cuda-arch) or $TORCH_CUDA_ARCH_LIST
+    when given, else the archs of the visible GPUs, else none. Without a CUDA build of torch, none; without
+    a list and without a GPU, CUDA is not initialised (device_count does not create a context)."""
+    if torch.version.cuda is None:
+        return ()
+    spec = explicit if explicit is not None else os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if spec.strip():
+        return tuple(sorted({a for a in re.split(r"[;,\s]+", spec.strip()) if a}))
+    count = torch.cuda.device_count()
+    return tuple(sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(count)}))
+
+
+def load_all() -> Tuple[LoadedLibrary, ...]:
+    """The CPU library, then the CUDA library when :func:`requested_cuda_archs` asks for one."""
+    loaded = [load(Variant("cpu"))]
+    archs = requested_cuda_archs()
+    if archs:
+        loaded.append(load(Variant("cuda", archs)))
+    return tuple(loaded)
+
+
+# ----------------------------------------------------------------------------------------------- build path
+
+# Runs in a child process: cpp_extension.load always loads what it built, and this process must load only
+# the published library (and a CLI prebuild for other GPU archs must not load at all).
+_CHILD = """
+import json, sys
+from torch.utils import cpp_extension
+try:
+    cpp_extension.load(**json.loads(sys.argv[1]))
+except Exception as exc:
+    print(f"deform_conv build: {type(exc).__name__}: {exc}".splitlines()[0])
+    sys.exit(1)
+"""
+
+
+def check_prerequisites(variant: Variant) -> None:
+    """Raises BuildError with a remedy for each tool a build needs and does not find, before compiling."""
+    if _toolchain.find_cxx() is None:
+        raise BuildError(
+            f"no C++ compiler found (looked for {_toolchain.cxx_name()!r} on PATH) to build deform_conv's "
+            f"{variant.label}.\nRemedy: install one (Debian/Ubuntu: `apt-get install g++`; conda: "
+            "`conda install gxx`) or point $CXX at it; or copy a prebuilt cache entry here (see the README), or "
+            "set DEFORM_CONV_FALLBACK=reference to run the slow pure-PyTorch implementation."
+        )
+    if _toolchain.ensure_ninja_on_path() is None:
+        raise BuildError("ninja not found, which the build needs.\nRemedy: `pip install ninja`.")
+    if variant.kind != "cuda":
+        return
+    if _toolchain.find_nvcc() is None:
+        raise BuildError(
+            f"CUDA_HOME not found: no nvcc for deform_conv's {variant.label}.\nRemedy: install the CUDA toolkit "
+            f"matching torch's CUDA {torch.version.cuda} and set CUDA_HOME to it (nvcc is $CUDA_HOME/bin/nvcc); "
+            "or build the CPU kernels only (`deform-conv build --cpu-only`, or hide the GPUs)."
+        )
+    nvcc = _toolchain.identify(_toolchain.find_nvcc(), cache_root() / "toolchains.json")
+    release = _toolchain.nvcc_release(nvcc)
+    if release is None or release.split(".")[0] != _toolchain.torch_cuda_major():
+        raise BuildError(
+            f"nvcc's CUDA ({nvcc} at {_toolchain.find_nvcc()}) differs in major version from the CUDA torch was "
+            f"built with ({torch.version.cuda}); the library would not load.\nRemedy: point CUDA_HOME at a CUDA "
+            f"{_toolchain.torch_cuda_major()}.x toolkit, or install the torch build for CUDA {release}."
+        )
+
+
+def _build_environment(variant: Variant) -> Dict[str, str]:
+    env = dict(os.environ)
+    if not env.get("MAX_JOBS"):
+        env["MAX_JOBS"] = str(_toolchain.default_max_jobs(gib_per_job=3.0 if variant.kind == "cuda" else 1.5))
+    if variant.kind == "cuda":
+        env["TORCH_CUDA_ARCH_LIST"] = ";".join(variant.cuda_archs)
+        env["CUDA_HOME"] = str(_toolchain.cuda_home())  # the toolkit check_prerequisites checked
+    return env
+
+
+def _log_excerpt(log_path: Path, first_lines: int = 15, last_lines: int = 10) -> str:
+    """The compiler's first error with the lines after it (later errors are often consequences), then the
+    log's last lines."""
+    lines = log_path.read_text(errors="replace").rstrip().splitlines()
+    first_error = next((i for i, line in enumerate(lines) if re.search(r"\berror\b", line)), None)
+    if first_error is None or first_error >= len(lines) - last_lines:
+        return "The compiler's last lines:\n" + "\n".join(lines[-(first_lines + last_lines):])
+    return ("The compiler's first error:\n" + "\n".join(lines[first_error:first_error + first_lines])
+            + "\n...\nThe log's last lines:\n" + "\n".join(lines[-last_lines:]))
+
+
+def _compile(variant: Variant, name: str, directory: Path, log_path: Path) -> None:
+    """Compiles into ``directory`` in a child process; its output goes to ``log_path`` (and to the terminal
+    with DEFORM_CONV_VERBOSE=1). Raises BuildError with the last lines of the log."""
+    verbose = os.environ.get("DEFORM_CONV_VERBOSE", "") == "1"
+    args = dict(
+        name=name,
+        sources=[str(CSRC / s) for s in variant.sources],
+        extra_cflags=list(_sources.CXX_FLAGS),
+        extra_ldflags=list(_sources.LD_FLAGS),
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=True,  # ninja's output goes to the log either way
+        with_cuda=variant.kind == "cuda",
+    )
+    if variant.kind == "cuda":
+        args["extra_cuda_cflags"] = list(_sources.NVCC_FLAGS)
+    command = [sys.executable, "-c", _CHILD, json.dumps(args)]
+    with open(log_path, "w") as log, Elapsed(f"compiling the {variant.label}", quiet=verbose):
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 env=_build_environment(variant), cwd=directory)
+        assert child.stdout is not None
+        for line in child.stdout:
+            log.write(line)
+            if verbose:
+                sys.stdout.write(line)
+        returncode = child.wait()
+    if returncode != 0:
+        raise BuildError(
+            f"compiling deform_conv's {variant.label} failed (exit code {returncode}).\n{_log_excerpt(log_path)}\n\n"
+            f"Full log: {log_path}\n"
+            f"Remedy: read the first error in the log. A compiler older than GCC 9 or Clang 10 cannot build "
+            f"torch {torch.__version__}'s headers: point $CXX at a newer one. Set DEFORM_CONV_VERBOSE=1 to see "
+            f"every command, or DEFORM_CONV_FALLBACK=reference to run the slow pure-PyTorch implementation."
+        )
+
+
+def build(variant: Variant, root: Path, load: bool = True) -> Union[LoadedLibrary, Path]:
+    """Builds ``variant`` into its cache entry under ``root`` (or waits for another process that is
+    building it), then loads it; with ``load=False`` only builds it and returns the entry."""
+    from filelock import FileLock, Timeout
+
+    check_prerequisites(variant)
+    environment = environment_inputs(variant)
+    tools = toolchain_inputs(variant, root)
+    assert tools is not None  # check_prerequisites found every tool
+    entry = root / entry_name(variant, environment, tools)
+    try:
+        (root / ".locks").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BuildError(
+            f"cannot write to the cache {root} ({exc}) to build deform_conv's {variant.label}.\n"
+            "Remedy: set DEFORM_CONV_CACHE_DIR to a writable directory."
+        ) from exc
+    lock = FileLock(str(root / ".locks" / f"{entry.name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        say(f"waiting for another process that is compiling the {variant.label} into {entry}")
+        lock.acquire()
+    try:
+        key = read_key(entry)
+        if key is not None:  # built by the process we waited for
+            return _load(variant, entry, key) if load else entry
+        for stale in root.glob(f".build-{entry.name}-*"):  # left by a killed build: we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        private = Path(tempfile.mkdtemp(prefix=f".build-{entry.name}-", dir=root))
+        cuda = f" / CUDA {torch.version.cuda}" if variant.kind == "cuda" else ""
+        say(f"compiling the {variant.label} for torch {torch.__version__}{cuda} into {entry} "
+            "(once; later imports load it)")
+        name = "deform_conv_" + variant.kind + "_" + entry.name.rsplit("-", 2)[1]
+        log_path = private / "build.log"
+        timer = Elapsed("build", quiet=True)
+        try:
+            with timer:
+                _compile(variant, name, private, log_path)
+        except BuildError:
+            (root / "logs").mkdir(exist_ok=True)
+            kept = root / "logs" / f"{entry.name}.log"
+            shutil.copyfile(log_path, kept)
+            shutil.rmtree(private, ignore_errors=True)
+            raise
+        library = f"{name}.so"
+        key = {
+            "environment": environment,
+            "toolchain": tools,
+            "library": library,
+            "library_sha256": _file_sha256(private / library),
+            "build_seconds": round(timer.seconds, 1),
+        }
+        (private / KEY_FILE).write_text(json.dumps(key, indent=2, sort_keys=True) + "\n")  # last: marks it whole
+        if entry.exists():  # an incomplete or corrupted entry: move it out of the way, then delete it
+            trash = Path(tempfile.mkdtemp(prefix=f".trash-{entry.name}-", dir=root))
+            os.rename(entry, trash / "old")
+            shutil.rmtree(trash, ignore_errors=True)
+        os.rename(private, entry)
+        say(f"compiled the {variant.label} in {timer.seconds:.1f} s")
+        return _load(variant, entry, key, build_seconds=timer.seconds) if load else entry
+    finally:
+        lock.release()

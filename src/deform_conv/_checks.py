@@ -89,6 +89,10 @@ def check_args(
 
     batch, in_channels, height, width = input.shape
     out_channels, in_per_group, kernel_h, kernel_w = weight.shape
+    if in_channels < 1:
+        raise ValueError(f"input must have at least 1 channel, got shape {_shape(input)}")
+    if input.device.type == "cpu" and input.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"input on the CPU must be float32 or float64, got {input.dtype}")
     if kernel_h < 1 or kernel_w < 1:
         raise ValueError(f"weight's kernel size must be at least 1x1, got weight of shape {_shape(weight)}")
     if in_per_group < 1 or in_channels % in_per_group != 0:

@@ -1,16 +1,22 @@
 """The Python face of the op: the public function, the fake kernels and the autograd formula.
 
-Both ops are defined by the C++ library (csrc/ops.cpp), which must be loaded before this module is imported.
+Both ops are defined by the C++ library (csrc/ops.cpp); :func:`use_compiled_kernels` registers the Python
+parts once it is loaded. Devices without compiled kernels (only with DEFORM_CONV_FALLBACK=reference) run the
+pure-PyTorch reference.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Set
 
 import torch
 from torch import Tensor
 
 from ._checks import IntPair, check_args
+from ._reference import deform_conv2d_reference
+
+# Device types ("cpu", "cuda") whose compiled kernels are loaded.
+_compiled_devices: Set[str] = set()
 
 
 def deform_conv2d(
@@ -39,12 +45,13 @@ def deform_conv2d(
         (likewise W_out).
     """
     geo = check_args(input, offset, weight, mask, bias, stride, padding, dilation)
+    if input.device.type not in _compiled_devices:
+        return deform_conv2d_reference(input, offset, weight, bias, stride, padding, dilation, mask)
     return torch.ops.deform_conv.deform_conv2d(
         input, offset, weight, mask, bias, list(geo.stride), list(geo.padding), list(geo.dilation)
     )
 
 
-@torch.library.register_fake("deform_conv::deform_conv2d")
 def _deform_conv2d_fake(
     input: Tensor,
     offset: Tensor,
@@ -59,7 +66,6 @@ def _deform_conv2d_fake(
     return input.new_empty((input.shape[0], weight.shape[0], geo.out_h, geo.out_w))
 
 
-@torch.library.register_fake("deform_conv::deform_conv2d_backward")
 def _deform_conv2d_backward_fake(
     grad_output: Tensor,
     input: Tensor,
@@ -107,7 +113,14 @@ def _no_double_backward(ctx, *grads):
     )
 
 
-torch.library.register_autograd("deform_conv::deform_conv2d", _backward, setup_context=_setup_context)
-torch.library.register_autograd(
-    "deform_conv::deform_conv2d_backward", _no_double_backward, setup_context=lambda ctx, inputs, output: None
-)
+def use_compiled_kernels(devices: Set[str]) -> None:
+    """Registers the fake kernels and the autograd formula once the library with the schemas ("cpu") is
+    loaded, and routes calls on ``devices`` to the compiled kernels."""
+    if "cpu" in devices and not _compiled_devices:
+        torch.library.register_fake("deform_conv::deform_conv2d", _deform_conv2d_fake)
+        torch.library.register_fake("deform_conv::deform_conv2d_backward", _deform_conv2d_backward_fake)
+        torch.library.register_autograd("deform_conv::deform_conv2d", _backward, setup_context=_setup_context)
+        torch.library.register_autograd(
+            "deform_conv::deform_conv2d_backward", _no_double_backward, setup_context=lambda ctx, inputs, output: None
+        )
+    _compiled_devices.update(devices)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -15,6 +16,8 @@ from ._ops import deform_conv2d
 
 
 def _check_channels(in_channels: int, out_channels: int, groups: int, deform_groups: int = 1) -> None:
+    if in_channels < 1 or out_channels < 1:
+        raise ValueError(f"in_channels and out_channels must be >= 1, got {in_channels} and {out_channels}")
     if groups < 1:
         raise ValueError(f"groups must be >= 1, got {groups}")
     if deform_groups < 1:
@@ -25,6 +28,14 @@ def _check_channels(in_channels: int, out_channels: int, groups: int, deform_gro
         raise ValueError(f"out_channels ({out_channels}) must be divisible by groups ({groups})")
     if in_channels % deform_groups != 0:
         raise ValueError(f"in_channels ({in_channels}) must be divisible by deform_groups ({deform_groups})")
+
+
+def _resolve_deform_groups(deform_groups: int, deformable_groups: Optional[int]) -> int:
+    """mmcv still accepts the old keyword ``deformable_groups`` (with a deprecation warning); so do we."""
+    if deformable_groups is None:
+        return deform_groups
+    warnings.warn("deformable_groups is deprecated, use deform_groups instead", DeprecationWarning, stacklevel=3)
+    return deformable_groups
 
 
 class DeformConv2d(nn.Module):
@@ -161,7 +172,10 @@ class DeformConv2dPack(_PackBase):
         deform_groups: int = 1,
         bias: bool = False,
         im2col_step: int = 32,
+        *,
+        deformable_groups: Optional[int] = None,
     ) -> None:
+        deform_groups = _resolve_deform_groups(deform_groups, deformable_groups)
         super().__init__(
             in_channels, out_channels, kernel_size, stride, padding, dilation, groups, deform_groups, bias,
             offset_channels_per_group=2,
@@ -193,7 +207,10 @@ class ModulatedDeformConv2dPack(_PackBase):
         groups: int = 1,
         deform_groups: int = 1,
         bias: bool = True,
+        *,
+        deformable_groups: Optional[int] = None,
     ) -> None:
+        deform_groups = _resolve_deform_groups(deform_groups, deformable_groups)
         super().__init__(
             in_channels, out_channels, kernel_size, stride, padding, dilation, groups, deform_groups, bias,
             offset_channels_per_group=3,

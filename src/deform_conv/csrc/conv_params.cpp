@@ -51,6 +51,7 @@ ConvParams make_conv_params(const at::Tensor& input, const at::Tensor& offset, c
   p.dilation_w = dilation[1];
   p.has_mask = mask.has_value();
 
+  TORCH_CHECK(p.in_channels > 0, "input must have at least 1 channel, got shape ", input.sizes());
   TORCH_CHECK(p.kernel_h > 0 && p.kernel_w > 0, "weight's kernel size must be positive, got ", weight.sizes());
   TORCH_CHECK(weight.size(1) > 0 && p.in_channels % weight.size(1) == 0, "weight.shape[1] (", weight.size(1),
               ") must divide the input's channel count (", p.in_channels, ")");
@@ -91,7 +92,8 @@ ConvParams make_conv_params(const at::Tensor& input, const at::Tensor& offset, c
   return p;
 }
 
-void check_grad_output(const ConvParams& p, const at::Tensor& grad_output) {
+void check_grad_output(const ConvParams& p, const at::Tensor& grad_output, const at::Tensor& input) {
+  check_like_input(grad_output, "grad_output", input);
   TORCH_CHECK(grad_output.dim() == 4 && grad_output.size(0) == p.batch && grad_output.size(1) == p.out_channels &&
                   grad_output.size(2) == p.out_h && grad_output.size(3) == p.out_w,
               "grad_output must have shape [", p.batch, ", ", p.out_channels, ", ", p.out_h, ", ", p.out_w, "], got ",

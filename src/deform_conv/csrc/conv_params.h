@@ -36,6 +36,6 @@ ConvParams make_conv_params(const at::Tensor& input, const at::Tensor& offset, c
                             const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias,
                             c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation);
 
-void check_grad_output(const ConvParams& p, const at::Tensor& grad_output);
+void check_grad_output(const ConvParams& p, const at::Tensor& grad_output, const at::Tensor& input);
 
 }  // namespace deform_conv

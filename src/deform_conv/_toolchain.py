@@ -1,0 +1,131 @@
+"""The build tools: which compiler, ninja and nvcc a build would use, their versions, and what is missing.
+
+Identifying a tool normally means running ``TOOL --version``. The warm import path must not run the
+compiler, so versions are remembered per binary (path, size, modification time) in ``toolchains.json`` under
+the cache root: a stat is enough to know the compiler has not changed since it was last asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+
+def cxx_name() -> str:
+    """The C++ compiler torch.utils.cpp_extension will call: ``$CXX``, else ``c++``."""
+    return os.environ.get("CXX", "c++")
+
+
+def find_cxx() -> Optional[str]:
+    return shutil.which(cxx_name())
+
+
+def ensure_ninja_on_path() -> Optional[str]:
+    """Path of ninja; puts the `ninja` Python package's binary on PATH when only that is there (a virtual
+    environment used without activating it)."""
+    found = shutil.which("ninja")
+    if found:
+        return found
+    try:
+        import ninja  # the PyPI package we depend on
+    except ImportError:
+        return None
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return shutil.which("ninja")
+
+
+def cuda_home() -> Optional[Path]:
+    """The CUDA toolkit: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, or the toolkit around nvcc on PATH. Unlike
+    cpp_extension's guess, an nvcc on PATH counts only if headers sit beside it: a wrapper script in
+    /usr/local/bin would otherwise make /usr/local look like the toolkit."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return Path(os.environ[var])
+    default = Path("/usr/local/cuda")
+    if (default / "bin" / "nvcc").is_file():
+        return default
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        home = Path(nvcc).resolve().parent.parent
+        if (home / "include" / "cuda_runtime.h").is_file():
+            return home
+    return None
+
+
+def find_nvcc() -> Optional[str]:
+    home = cuda_home()
+    if home is not None and (home / "bin" / "nvcc").is_file():
+        return str(home / "bin" / "nvcc")
+    return None
+
+
+def _probe(executable: str) -> str:
+    try:
+        out = subprocess.run([executable, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unusable ({exc})"
+    text = (out.stdout or out.stderr).strip()
+    if executable.endswith("nvcc"):
+        match = re.search(r"release \S+, V([\d.]+)", text)
+        return f"nvcc {match.group(1)}" if match else text.splitlines()[-1] if text else "nvcc ?"
+    return text.splitlines()[0] if text else f"{executable} (no version)"
+
+
+def identify(executable: str, memo_file: Optional[Path]) -> str:
+    """Version line of ``executable``, from the memo when the binary is unchanged, else by running it."""
+    resolved = os.path.realpath(executable)
+    st = os.stat(resolved)
+    fingerprint = f"{resolved}|{st.st_size}|{st.st_mtime_ns}"
+    memo: Dict[str, str] = {}
+    if memo_file is not None and memo_file.is_file():
+        try:
+            memo = json.loads(memo_file.read_text())
+        except (OSError, ValueError):
+            memo = {}
+    if fingerprint in memo:
+        return memo[fingerprint]
+    version = _probe(executable)
+    memo[fingerprint] = version
+    if memo_file is not None:
+        try:  # a read-only cache simply does not remember
+            memo_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo_file.with_name(f"{memo_file.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(memo, indent=1, sort_keys=True))
+            os.replace(tmp, memo_file)
+        except OSError:
+            pass
+    return version
+
+
+def nvcc_release(version_line: str) -> Optional[str]:
+    """'nvcc 13.0.88' -> '13.0'."""
+    match = re.search(r"(\d+)\.(\d+)", version_line)
+    return f"{match.group(1)}.{match.group(2)}" if match else None
+
+
+def default_max_jobs(gib_per_job: float) -> int:
+    """Parallel compile jobs that the cores and the available memory allow (a torch translation unit takes
+    about 1.5 GiB in g++, more in nvcc)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    available_gib = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available_gib = int(line.split()[1]) / 2**20
+                    break
+    except OSError:
+        pass
+    by_memory = int(available_gib // gib_per_job) if available_gib is not None else cores
+    return max(1, min(cores, by_memory))
+
+
+def torch_cuda_major() -> Optional[str]:
+    return torch.version.cuda.split(".")[0] if torch.version.cuda else None

@@ -1,0 +1,46 @@
+// The device-independent part of the op: validate, lay out the tensors, walk the batch in chunks, and run
+// the GEMMs through ATen (BLAS on the CPU, cuBLAS on the GPU). Each backend supplies only its three passes
+// over the sampling points (SamplingPasses); the column layout they share is described in
+// cpu/sampling_passes.h.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+#include "conv_params.h"
+
+namespace deform_conv {
+
+// The tensors the passes read, in the layout they expect: input channels-last [B, H, W, C_in] in memory,
+// offset and mask contiguous (mask undefined without a mask).
+struct SamplingTensors {
+  at::Tensor input, offset, mask;
+  SamplingTensors(const at::Tensor& input, const at::Tensor& offset, const std::optional<at::Tensor>& mask);
+};
+
+struct SamplingPasses {
+  // columns [images, G, H_out*W_out, taps * C_in/G] of images [first, first + images).
+  void (*fill_columns)(const ConvParams&, const SamplingTensors&, int64_t first, int64_t images, at::Tensor& columns);
+  // grad_offset [B, 2*offset_groups*taps, H_out, W_out] and grad_mask (undefined without a mask) of those images.
+  void (*coordinate_and_mask_grads)(const ConvParams&, const SamplingTensors&, int64_t first, int64_t images,
+                                    const at::Tensor& grad_columns, at::Tensor& grad_offset, at::Tensor& grad_mask);
+  // Adds those images' input gradient into grad_input, channels-last [B, H, W, C_in], in the accumulation type.
+  void (*accumulate_input_grad)(const ConvParams&, const SamplingTensors&, int64_t first, int64_t images,
+                                const at::Tensor& grad_columns, at::Tensor& grad_input);
+  // The column buffer of one chunk stays under this size (at least one image).
+  int64_t column_budget_bytes;
+};
+
+at::Tensor forward_with(const SamplingPasses& passes, const at::Tensor& input, const at::Tensor& offset,
+                        const at::Tensor& weight, const std::optional<at::Tensor>& mask,
+                        const std::optional<at::Tensor>& bias, at::IntArrayRef stride, at::IntArrayRef padding,
+                        at::IntArrayRef dilation);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> backward_with(
+    const SamplingPasses& passes, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
+    const at::Tensor& weight, const std::optional<at::Tensor>& mask, at::IntArrayRef stride, at::IntArrayRef padding,
+    at::IntArrayRef dilation, bool bias_defined);
+
+}  // namespace deform_conv
