@@ -79,7 +79,7 @@ def output_and_grads(fn: Callable, case: Case, tensors: Optional[List[torch.Tens
     leaves = [t.detach().clone().requires_grad_() for t in (tensors or case.tensors())]
     out = case.call(fn, leaves)
     grad_output = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(seed))
-    grads = torch.autograd.grad(out, leaves, grad_output) if out.numel() else [torch.zeros_like(t) for t in leaves]
+    grads = torch.autograd.grad(out, leaves, grad_output)
     return [out.detach(), *grads]
 
 

@@ -11,8 +11,10 @@ import deform_conv
 
 
 @pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no_mask"])
-def test_gradcheck(with_mask):
-    case = make_case(torch.float64, batch=2, in_channels=6, out_channels=4, size=(7, 6), with_mask=with_mask)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+def test_gradcheck(with_mask, with_bias):
+    case = make_case(torch.float64, batch=2, in_channels=6, out_channels=4, size=(7, 6), with_mask=with_mask,
+                     with_bias=with_bias)
     tensors = [t.detach().clone().requires_grad_() for t in case.tensors()]
 
     def fn(*leaves):
@@ -28,8 +30,9 @@ def _op_args(case):
 
 @pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no_mask"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
-def test_opcheck_forward(with_mask, with_bias):
-    case = make_case(torch.float32, batch=2, with_mask=with_mask, with_bias=with_bias)
+@pytest.mark.parametrize("batch", [2, 0])
+def test_opcheck_forward(with_mask, with_bias, batch):
+    case = make_case(torch.float32, batch=batch, with_mask=with_mask, with_bias=with_bias)
     for t in case.tensors():
         t.requires_grad_()
     torch.library.opcheck(torch.ops.deform_conv.deform_conv2d.default, _op_args(case))
@@ -63,11 +66,16 @@ def test_double_backward_raises():
         grad_input.sum().backward()
 
 
-def test_only_the_tensors_that_need_grad_get_one():
-    case = make_case(torch.float32)
+def test_gradients_when_only_some_tensors_require_them():
+    """The first layer of a network: the input needs no gradient, the offset and the weight do."""
+    case = make_case(torch.float64)
+    offset = case.offset.clone().requires_grad_()
     weight = case.weight.clone().requires_grad_()
-    out = deform_conv.deform_conv2d(case.input, case.offset, weight, case.bias, case.stride, case.padding,
+    out = deform_conv.deform_conv2d(case.input, offset, weight, case.bias, case.stride, case.padding,
                                     case.dilation, case.mask)
     out.sum().backward()
-    assert weight.grad is not None and weight.grad.shape == weight.shape
-    assert case.input.grad is None and case.offset.grad is None
+    expected = deform_conv.deform_conv2d_reference(case.input, offset, weight, case.bias, case.stride, case.padding,
+                                                   case.dilation, case.mask)
+    expected_offset, expected_weight = torch.autograd.grad(expected.sum(), (offset, weight))
+    torch.testing.assert_close(offset.grad, expected_offset, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(weight.grad, expected_weight, rtol=1e-10, atol=1e-10)

@@ -1,8 +1,7 @@
-"""The loader: cache entry naming, cache hits, the first-build message, build failures, the wheel, the main job."""
+"""The loader in one process: cache keys, entry naming, prerequisites, CUDA selection, the wheel, the CLI."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -10,51 +9,64 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 import deform_conv
-from deform_conv import _build
+from deform_conv import _build, _progress, _toolchain
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _env(**extra: str) -> dict:
-    env = dict(os.environ)
-    env.update(extra)
-    return env
+from loader_helpers import ROOT, child_env, compile_lines
 
 
-def test_entry_name_changes_with_every_key_input():
-    inputs = _build.key_inputs()
-    name = _build.entry_name(inputs)
-    changes = {
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_entry_name_changes_with_every_key_input(kind):
+    variant = _build.Variant(kind, ("9.0",) if kind == "cuda" else ())
+    environment = _build.environment_inputs(variant)
+    tools = {"cxx": "c++ (Debian 12.2.0) 12.2.0", **({"nvcc": "nvcc 13.0.88"} if kind == "cuda" else {})}
+    changed_environment = {
+        "variant": "other",
         "package_version": "9.9.9",
         "sources_sha256": "0" * 64,
         "cxx_flags": ["-O2"],
         "ld_flags": [],
         "torch_version": "2.99.0",
-        "torch_cxx11_abi": not inputs["torch_cxx11_abi"],
+        "torch_cxx11_abi": not environment["torch_cxx11_abi"],
         "torch_cuda": "99.9",
         "platform": "plan9-mips",
     }
-    assert set(changes) == set(inputs), "every key input must be covered by this test"
-    names = {name}
-    for key, value in changes.items():
-        names.add(_build.entry_name({**inputs, key: value}))
-    assert len(names) == len(changes) + 1
+    if kind == "cuda":
+        changed_environment.update(nvcc_flags=["-G"], cuda_archs=["8.0", "9.0"])
+    assert set(changed_environment) == set(environment), "every key input must be covered by this test"
+    changed_tools = {"cxx": "clang version 18.1.0", **({"nvcc": "nvcc 13.1.0"} if kind == "cuda" else {})}
+
+    names = {_build.entry_name(variant, environment, tools)}
+    for key, value in changed_environment.items():
+        names.add(_build.entry_name(variant, {**environment, key: value}, tools))
+    for key, value in changed_tools.items():
+        names.add(_build.entry_name(variant, environment, {**tools, key: value}))
+    assert len(names) == 1 + len(changed_environment) + len(changed_tools)
 
 
 def test_source_and_header_edits_change_the_key(tmp_path, monkeypatch):
     csrc = tmp_path / "csrc"
     shutil.copytree(_build.CSRC, csrc)
     monkeypatch.setattr(_build, "CSRC", csrc)
-    before = _build.key_inputs()["sources_sha256"]
+    before = _build.sources_sha256()
     with open(csrc / "sampling.h", "a") as f:
         f.write("// an edit\n")
-    after_header = _build.key_inputs()["sources_sha256"]
+    after_header = _build.sources_sha256()
     with open(csrc / "cpu" / "deform_conv_cpu.cpp", "a") as f:
         f.write("// an edit\n")
-    after_source = _build.key_inputs()["sources_sha256"]
+    after_source = _build.sources_sha256()
     assert len({before, after_header, after_source}) == 3
+
+
+def test_entry_records_its_key_inputs_readably():
+    entry = deform_conv.libraries[0].entry
+    key = _build.read_key(entry)
+    assert key is not None
+    assert key["environment"] == _build.environment_inputs(_build.Variant("cpu"))
+    assert key["toolchain"]["cxx"] == _toolchain.identify(_toolchain.find_cxx(), None)
+    assert (entry / key["library"]).is_file() and (entry / "build.log").is_file()
 
 
 def test_cache_root_resolution(monkeypatch, tmp_path):
@@ -68,45 +80,74 @@ def test_cache_root_resolution(monkeypatch, tmp_path):
     assert _build.cache_root() == tmp_path / "home" / ".cache" / "deform_conv"
 
 
-def test_later_imports_load_from_the_cache_silently():
-    entry = deform_conv.libraries[0].entry
-    assert (entry / "key.json").is_file() and deform_conv.libraries[0].path.is_file()
-    result = subprocess.run(
-        [sys.executable, "-c", "import deform_conv; print(deform_conv.library.from_cache, deform_conv.libraries[0].entry)"],
-        capture_output=True, text=True, env=_env(DEFORM_CONV_CACHE_DIR=str(entry.parent)), check=True,
-    )
-    assert result.stdout.split() == ["True", str(entry)]
-    assert result.stderr == ""
+def test_compiler_version_is_remembered_per_binary(tmp_path):
+    fake = tmp_path / "fake-cxx"
+    fake.write_text("#!/bin/sh\necho 'fake-cxx 1.0'\n")
+    fake.chmod(0o755)
+    memo = tmp_path / "toolchains.json"
+    assert _toolchain.identify(str(fake), memo) == "fake-cxx 1.0"
+    fake.write_text("#!/bin/sh\nexit 1\n")  # same size would keep the memo; a new mtime and size do not
+    fake.write_text("#!/bin/sh\necho 'fake-cxx 2.0 (upgraded)'\n")
+    assert _toolchain.identify(str(fake), memo) == "fake-cxx 2.0 (upgraded)"
 
 
-def test_failed_build_raises_with_the_compiler_message(tmp_path, monkeypatch):
-    csrc = tmp_path / "csrc"
-    csrc.mkdir()
-    (csrc / "broken.cpp").write_text('#error "this source is deliberately broken"\n')
-    monkeypatch.setattr(_build, "CSRC", csrc)
-    monkeypatch.setattr(_build, "CPU_SOURCES", ("broken.cpp",))
+def test_missing_tools_are_diagnosed_before_compiling(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(_build.BuildError, match=r"(?s)no C\+\+ compiler found .*Remedy: install one"):
+        _build.check_prerequisites(_build.Variant("cpu"))
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch")
+def test_cuda_home_missing_and_nvcc_mismatch_are_diagnosed(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
+    with pytest.raises(_build.BuildError, match=r"(?s)CUDA_HOME not found.*Remedy: install the CUDA toolkit"):
+        _build.check_prerequisites(_build.Variant("cuda", ("9.0",)))
+    (tmp_path / "cuda" / "bin").mkdir(parents=True)
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 11.8, V11.8.89'\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
     monkeypatch.setenv("DEFORM_CONV_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.raises(_build.BuildError, match=r"(?s)failed:.*this source is deliberately broken.*Remedy: install"):
-        _build.load()
-    entries = list((tmp_path / "cache").iterdir())
-    assert len(entries) == 1 and not (entries[0] / "key.json").exists(), "a failed build must not look complete"
+    with pytest.raises(_build.BuildError, match=r"nvcc's CUDA \(nvcc 11.8.89 .*differs in major version"):
+        _build.check_prerequisites(_build.Variant("cuda", ("9.0",)))
 
 
-def test_main_job_builds_into_an_empty_cache_then_reuses_it(tmp_path):
-    """`python -m deform_conv` on a fresh cache: one line saying what is built, where and that it happens once,
-    the self-check passes; the second run loads from the cache."""
-    env = _env(DEFORM_CONV_CACHE_DIR=str(tmp_path))
-    first = subprocess.run([sys.executable, "-m", "deform_conv"], capture_output=True, text=True, env=env)
-    assert first.returncode == 0, first.stdout + first.stderr
-    build_lines = [line for line in first.stderr.splitlines() if line.startswith("deform_conv: compiling")]
-    assert len(build_lines) == 1
-    assert "CPU kernels" in build_lines[0] and str(tmp_path) in build_lines[0] and "once" in build_lines[0]
-    assert "built now in" in first.stdout and first.stdout.rstrip().endswith("OK")
-    assert "PASS vs reference" in first.stdout and "FAIL" not in first.stdout
+def test_cuda_library_selection(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0;8.0 8.0")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert _build.requested_cuda_archs() == ("8.0", "9.0")
+    assert _build.requested_cuda_archs("8.6") == ("8.6",)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert _build.requested_cuda_archs() == ()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: [(9, 0), (8, 6)][i])
+    assert _build.requested_cuda_archs() == ("8.6", "9.0")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert _build.requested_cuda_archs("9.0") == ()
 
-    second = subprocess.run([sys.executable, "-m", "deform_conv"], capture_output=True, text=True, env=env)
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert "loaded from the cache" in second.stdout and "compiling" not in second.stderr
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks the machine without a GPU")
+def test_without_gpu_or_arch_list_only_the_cpu_library_loads_and_cuda_stays_uninitialised(tmp_path):
+    code = "import torch, deform_conv; print([l.variant.kind for l in deform_conv.libraries], torch.cuda.is_initialized())"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=child_env(deform_conv.libraries[0].entry.parent), check=True)
+    assert result.stdout.split() == ["['cpu']", "False"]
+
+
+def test_build_jobs_honour_max_jobs_and_the_machine(monkeypatch):
+    monkeypatch.setenv("MAX_JOBS", "3")
+    assert _build._build_environment(_build.Variant("cpu"))["MAX_JOBS"] == "3"
+    monkeypatch.delenv("MAX_JOBS")
+    jobs = int(_build._build_environment(_build.Variant("cpu"))["MAX_JOBS"])
+    assert 1 <= jobs <= len(__import__("os").sched_getaffinity(0))
+
+
+def test_progress_reports_elapsed_time(capsys):
+    with _progress.Elapsed("compiling something", period=0.05) as timer:
+        __import__("time").sleep(0.3)
+    err = capsys.readouterr().err
+    assert err.count("compiling something") >= 2 and timer.seconds >= 0.3
 
 
 def test_wheel_is_pure_python_and_ships_the_sources(tmp_path):
@@ -118,3 +159,39 @@ def test_wheel_is_pure_python_and_ships_the_sources(tmp_path):
     sources = {str(p.relative_to(_build.CSRC.parent.parent)) for p in _build.CSRC.rglob("*") if p.is_file()}
     assert sources <= set(names), sources - set(names)
     assert not [n for n in names if n.endswith((".so", ".o", ".pyd"))], "pip wheel must not compile anything"
+
+
+def test_doctor_and_clean(tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(deform_conv.libraries[0].entry, cache / deform_conv.libraries[0].entry.name)
+    stale = cache / "cpu-torch1.0-000000000000-00000000"
+    stale.mkdir()
+    env = child_env(cache)
+    doctor = subprocess.run([sys.executable, "-m", "deform_conv", "doctor"], capture_output=True, text=True, env=env)
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert f"cpu          built: {deform_conv.libraries[0].entry.name}" in doctor.stdout
+    assert "incomplete or corrupted" in doctor.stdout and "No problems found." in doctor.stdout
+    clean = subprocess.run([sys.executable, "-m", "deform_conv", "clean", "--stale"], capture_output=True, text=True,
+                           env=env, check=True)
+    assert not stale.exists() and (cache / deform_conv.libraries[0].entry.name).is_dir(), clean.stdout
+    subprocess.run([sys.executable, "-m", "deform_conv", "clean"], capture_output=True, env=env, check=True)
+    assert not [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
+
+
+def test_main_job_builds_into_an_empty_cache_then_reuses_it(tmp_path):
+    """`python -m deform_conv`: one line saying what is built, where and that it happens once; the versions,
+    the cache and the check; the second run loads from the cache, silently."""
+    env = child_env(tmp_path)
+    first = subprocess.run([sys.executable, "-m", "deform_conv"], capture_output=True, text=True, env=env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    (line,) = compile_lines(first.stderr)
+    assert str(tmp_path) in line and "once" in line and torch.__version__ in line
+    assert "compiled the CPU kernels in" in first.stderr
+    for expected in (f"torch      {torch.__version__}", "compiler   ", f"cache      {tmp_path}", "built now in",
+                     "PASS vs reference", "forward+backward"):
+        assert expected in first.stdout, expected
+    assert first.stdout.rstrip().endswith("OK") and "FAIL" not in first.stdout
+
+    second = subprocess.run([sys.executable, "-m", "deform_conv"], capture_output=True, text=True, env=env)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "loaded from the cache" in second.stdout and second.stderr == ""

@@ -58,6 +58,11 @@ BAD_INPUTS = [
     ("integer input", lambda c: dict(input=c.input.long()), TypeError, r"input must be a floating-point tensor, got torch.int64"),
     ("device mismatch", lambda c: dict(mask=c.mask.to("meta")), ValueError, r"mask must be on the input's device cpu, got meta"),
     ("not a tensor", lambda c: dict(input=c.input.tolist()), TypeError, r"input must be a torch.Tensor, got list"),
+    ("no input channels", lambda c: dict(input=c.input[:, :0]), ValueError,
+     r"input must have at least 1 channel, got shape \(3, 0, 13, 8\)"),
+    ("half on the CPU", lambda c: dict(input=c.input.half(), offset=c.offset.half(), weight=c.weight.half(),
+                                       bias=c.bias.half(), mask=c.mask.half()), TypeError,
+     r"input on the CPU must be float32 or float64, got torch.float16"),
 ]
 
 
@@ -65,6 +70,22 @@ BAD_INPUTS = [
 def test_bad_input_raises_clear_error(case, what, changes, error, pattern):
     with pytest.raises(error, match=pattern):
         call(case, **changes(case))
+
+
+def test_fake_kernel_checks_shapes_like_the_real_one(case):
+    """On meta tensors (no data) the op runs its fake kernel, which must refuse what the real one refuses."""
+    meta = {name: t.to("meta") for name, t in dict(input=case.input, offset=case.offset, weight=case.weight,
+                                                   mask=case.mask, bias=case.bias).items()}
+    out = torch.ops.deform_conv.deform_conv2d(meta["input"], meta["offset"], meta["weight"], meta["mask"],
+                                              meta["bias"], [2, 1], [1, 0], [2, 1])
+    assert out.shape == (3, 4, 6, 7) and out.device.type == "meta"
+    with pytest.raises(ValueError, match=r"mask must have shape \(3, 18, 6, 7\)"):
+        torch.ops.deform_conv.deform_conv2d(meta["input"], meta["offset"], meta["weight"], meta["mask"][:, :-1],
+                                            meta["bias"], [2, 1], [1, 0], [2, 1])
+    with pytest.raises(ValueError, match=r"grad_output must have shape \(3, 4, 6, 7\), got \(3, 4, 6, 6\)"):
+        torch.ops.deform_conv.deform_conv2d_backward(torch.empty(3, 4, 6, 6, device="meta"), meta["input"],
+                                                     meta["offset"], meta["weight"], meta["mask"], [2, 1], [1, 0],
+                                                     [2, 1], True)
 
 
 def test_direct_op_call_has_a_backstop(case):
@@ -75,6 +96,12 @@ def test_direct_op_call_has_a_backstop(case):
     with pytest.raises(RuntimeError, match=r"stride must be >= 1 in both dimensions, got \[0, 1\]"):
         torch.ops.deform_conv.deform_conv2d(case.input, case.offset, case.weight, case.mask, case.bias,
                                             [0, 1], [1, 0], [2, 1])
+    with pytest.raises(RuntimeError, match=r"input must have at least 1 channel, got shape \[3, 0, 13, 8\]"):
+        torch.ops.deform_conv.deform_conv2d(case.input[:, :0], case.offset, case.weight[:, :0], case.mask, case.bias,
+                                            [2, 1], [1, 0], [2, 1])
+    with pytest.raises(RuntimeError, match=r"grad_output must have the input's dtype Float, got Double"):
+        torch.ops.deform_conv.deform_conv2d_backward(torch.ones(3, 4, 6, 7, dtype=torch.float64), case.input,
+                                                     case.offset, case.weight, case.mask, [2, 1], [1, 0], [2, 1], True)
     with pytest.raises(RuntimeError, match=r"grad_output must have shape \[3, 4, 6, 7\], got \[3, 4, 6, 6\]"):
         torch.ops.deform_conv.deform_conv2d_backward(torch.ones(3, 4, 6, 6), case.input, case.offset, case.weight,
                                                      case.mask, [2, 1], [1, 0], [2, 1], True)
@@ -87,6 +114,7 @@ def test_direct_op_call_has_a_backstop(case):
         (deform_conv.DeformConv2d, dict(groups=3, out_channels=4), r"out_channels \(4\) must be divisible by groups \(3\)"),
         (deform_conv.DeformConv2dPack, dict(deform_groups=4), r"in_channels \(6\) must be divisible by deform_groups \(4\)"),
         (deform_conv.ModulatedDeformConv2dPack, dict(kernel_size=0), r"kernel_size must be >= 1 in both dimensions"),
+        (deform_conv.DeformConv2d, dict(in_channels=0), r"in_channels and out_channels must be >= 1, got 0 and 6"),
     ],
 )
 def test_module_constructor_errors(cls, kwargs, pattern):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
@@ -103,3 +104,9 @@ def test_mmcv_style_checkpoint_loads_strictly():
 def test_state_dict_records_version_2():
     layer = DeformConv2dPack(4, 4, 3)
     assert layer.state_dict()._metadata[""]["version"] == 2
+
+
+def test_deprecated_deformable_groups_keyword_still_works():
+    with pytest.warns(DeprecationWarning, match="deformable_groups is deprecated, use deform_groups"):
+        layer = ModulatedDeformConv2dPack(4, 4, 3, padding=1, deformable_groups=2)
+    assert layer.deform_groups == 2 and layer.conv_offset.out_channels == 2 * 3 * 9

@@ -185,6 +185,18 @@ def prebuilt_key_file(variant: Variant) -> str:
     return f"{variant.kind}.json"
 
 
+def write_prebuilt_key(variant: Variant, library: Path) -> None:
+    """Records the key of a library built at install time (setup.py, DEFORM_CONV_AOT=1) beside it."""
+    tools = toolchain_inputs(variant, cache_root())
+    key = {
+        "environment": environment_inputs(variant),
+        "toolchain": tools,
+        "library": library.name,
+        "library_sha256": _file_sha256(library),
+    }
+    (library.parent / prebuilt_key_file(variant)).write_text(json.dumps(key, indent=2, sort_keys=True) + "\n")
+
+
 def _matching_prebuilt(variant: Variant, environment: Dict[str, object]) -> Optional[dict]:
     """The key of the library bundled at install time (DEFORM_CONV_AOT=1) if it was built for exactly this
     environment, else None."""
@@ -381,17 +393,16 @@ def build(variant: Variant, root: Path, load: bool = True) -> Union[LoadedLibrar
         say(f"compiling the {variant.label} for torch {torch.__version__}{cuda} into {entry} "
             "(once; later imports load it)")
         name = "deform_conv_" + variant.kind + "_" + entry.name.rsplit("-", 2)[1]
-        log_path = private / "build.log"
+        (root / "logs").mkdir(exist_ok=True)
+        log_path = root / "logs" / f"{entry.name}.log"  # stays here if the build fails; moves into the entry if not
         timer = Elapsed("build", quiet=True)
         try:
             with timer:
                 _compile(variant, name, private, log_path)
         except BuildError:
-            (root / "logs").mkdir(exist_ok=True)
-            kept = root / "logs" / f"{entry.name}.log"
-            shutil.copyfile(log_path, kept)
             shutil.rmtree(private, ignore_errors=True)
             raise
+        shutil.move(str(log_path), str(private / "build.log"))
         library = f"{name}.so"
         key = {
             "environment": environment,

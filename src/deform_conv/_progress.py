@@ -24,8 +24,9 @@ def _rewrites_lines() -> bool:
 class Elapsed:
     """Context manager that shows the elapsed time of ``what`` until it exits; ``seconds`` holds the total."""
 
-    def __init__(self, what: str, quiet: bool = False) -> None:
+    def __init__(self, what: str, quiet: bool = False, period: Optional[float] = None) -> None:
         self.what = what
+        self.period = period if period is not None else (1.0 if _rewrites_lines() else 15.0)
         self.quiet = quiet  # the compiler's own output is shown instead (DEFORM_CONV_VERBOSE=1)
         self.seconds = 0.0
         self._start = 0.0
@@ -41,8 +42,7 @@ class Elapsed:
         return self
 
     def _tick(self) -> None:
-        period = 1.0 if self._inline else 15.0
-        while not self._stop.wait(period):
+        while not self._stop.wait(self.period):
             elapsed = time.perf_counter() - self._start
             if self._inline:
                 print(f"\rdeform_conv: {self.what}: {elapsed:4.0f} s", end="", file=sys.stderr, flush=True)

@@ -1,0 +1,63 @@
+"""Opt-in ahead-of-time build: `DEFORM_CONV_AOT=1 pip install --no-build-isolation .` compiles the kernels at
+install time with torch's BuildExtension (the classic extension route) from the same sources and flags as the
+JIT loader (src/deform_conv/_sources.py), and bundles them in deform_conv/_prebuilt/ with their key. At import
+the package prefers a bundled library whose key matches this environment and falls back to the JIT cache.
+
+Without DEFORM_CONV_AOT=1 this is a plain pure-Python install: nothing is compiled. (--no-build-isolation:
+the build must see the torch it builds against.)
+"""
+
+import os
+import sys
+import types
+from pathlib import Path
+
+from setuptools import setup
+
+HERE = Path(__file__).resolve().parent
+PACKAGE = HERE / "src" / "deform_conv"
+
+
+def _loader():
+    """deform_conv._build without running deform_conv/__init__.py (which would JIT-build the kernels)."""
+    stub = types.ModuleType("deform_conv")
+    stub.__path__ = [str(PACKAGE)]
+    sys.modules.setdefault("deform_conv", stub)
+    from deform_conv import _build
+
+    return _build
+
+
+def aot_setup_args() -> dict:
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+    _build = _loader()
+    from deform_conv import _sources
+
+    variants = [_build.Variant("cpu")]
+    archs = _build.requested_cuda_archs()
+    if archs:
+        variants.append(_build.Variant("cuda", archs))
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs)
+
+    extensions = []
+    for variant in variants:
+        sources = [str((PACKAGE / _sources.CSRC_DIR / s).relative_to(HERE)) for s in variant.sources]
+        args = dict(extra_compile_args={"cxx": list(_sources.CXX_FLAGS), "nvcc": list(_sources.NVCC_FLAGS)},
+                    extra_link_args=list(_sources.LD_FLAGS))
+        make = CUDAExtension if variant.kind == "cuda" else CppExtension
+        extensions.append((variant, make(f"deform_conv._prebuilt.{variant.kind}", sources, **args)))
+
+    class BuildAndRecordKey(BuildExtension.with_options(no_python_abi_suffix=True)):
+        """After each library, writes _prebuilt/<kind>.json: the same key the JIT loader checks."""
+
+        def build_extension(self, ext):
+            super().build_extension(ext)
+            variant = next(v for v, e in extensions if e is ext)
+            library = Path(self.get_ext_fullpath(ext.name))
+            _build.write_prebuilt_key(variant, library)
+
+    return dict(ext_modules=[e for _, e in extensions], cmdclass={"build_ext": BuildAndRecordKey})
+
+
+setup(**(aot_setup_args() if os.environ.get("DEFORM_CONV_AOT") == "1" else {}))

@@ -1,0 +1,162 @@
+"""The loader across processes: concurrency, kills, corruption, read-only caches, no toolchain, a broken
+compiler, the fallback switch, and the ahead-of-time build."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import deform_conv
+from deform_conv import _build
+
+from loader_helpers import IMPORT_AND_REPORT, ROOT, child_env, compile_lines, copy_current_cpu_entry, run_python
+
+
+def test_four_processes_importing_at_once_compile_once(tmp_path):
+    env = child_env(tmp_path)
+    children = [subprocess.Popen([sys.executable, "-c", IMPORT_AND_REPORT], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)]
+    outputs = [child.communicate(timeout=600) for child in children]
+    assert [child.returncode for child in children] == [0, 0, 0, 0], outputs
+    stderr = "".join(err for _, err in outputs)
+    assert len(compile_lines(stderr)) == 1, stderr
+    entries = {out.split()[1] for out, _ in outputs}
+    assert len(entries) == 1
+    builds = [p for p in tmp_path.iterdir() if p.name.startswith("cpu-")]
+    assert len(builds) == 1 and not list(tmp_path.glob(".build-*"))
+    # The others either waited for the build (and said so) or arrived after it and found it.
+    waited = stderr.count("waiting for another process that is compiling")
+    assert waited <= 3
+
+
+def test_build_killed_midway_leaves_nothing_that_blocks_the_next_import(tmp_path):
+    env = child_env(tmp_path)
+    victim = subprocess.Popen([sys.executable, "-c", IMPORT_AND_REPORT], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=env, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".build-*/*.o")) and not list(tmp_path.glob(".build-*/build.ninja")):
+        assert time.monotonic() < deadline and victim.poll() is None, "the build never started"
+        time.sleep(0.2)
+    time.sleep(1.0)  # the compiler is running now
+    os.kill(victim.pid, signal.SIGKILL)  # the process holding the lock dies mid-build
+    victim.wait()
+    os.killpg(victim.pid, signal.SIGKILL)  # and its orphaned compiler processes, as a job scheduler would
+    assert list(tmp_path.glob(".build-*")), "the killed build should have left its private directory"
+
+    result = run_python(IMPORT_AND_REPORT, env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[0] == "False"  # built anew
+    assert not list(tmp_path.glob(".build-*")), "the leftover of the killed build is cleaned up"
+
+
+def test_corrupted_library_is_detected_and_rebuilt(tmp_path):
+    entry = copy_current_cpu_entry(tmp_path)
+    key = _build.read_key(entry)
+    library = entry / key["library"]
+    library.write_bytes(library.read_bytes()[: library.stat().st_size // 2])  # a truncated copy
+    result = run_python(IMPORT_AND_REPORT, child_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert len(compile_lines(result.stderr)) == 1
+    assert _build.read_key(entry) is not None  # whole again
+
+
+def _read_only_command(cache: Path, code: str):
+    """A command that runs `python -c code` with ``cache`` read-only. Permissions do not bind root, so as root
+    the directory is bind-mounted read-only in a private mount namespace instead."""
+    if os.geteuid() != 0:
+        for path in [cache, *cache.rglob("*")]:
+            path.chmod(path.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+        return [sys.executable, "-c", code]
+    if shutil.which("unshare") is None:
+        pytest.skip("running as root without unshare: cannot make a directory read-only")
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"running as root and unshare -m is not permitted: {probe.stderr.decode().strip()}")
+    script = f'mount --bind -o ro "{cache}" "{cache}" && exec "{sys.executable}" -c "$0"'
+    return ["unshare", "-m", "sh", "-c", script, code]
+
+
+def test_read_only_complete_entry_loads(tmp_path):
+    cache = tmp_path / "cache"
+    copy_current_cpu_entry(cache)
+    code = IMPORT_AND_REPORT + "; open(deform_conv.cache_root() / 'probe', 'w')"
+    result = subprocess.run(_read_only_command(cache, code), capture_output=True, text=True, env=child_env(cache))
+    # The import succeeded from the cache; the write that follows proves the directory was read-only.
+    assert result.stdout.split()[0] == "True", result.stderr
+    assert result.returncode != 0 and "Read-only file system" in result.stderr or "Permission denied" in result.stderr
+
+
+def test_warm_path_needs_no_compiler_ninja_or_cpp_extension(tmp_path):
+    """A deployment box: the entry copied from a build machine, no compiler and no ninja on PATH."""
+    copy_current_cpu_entry(tmp_path)
+    empty_bin = tmp_path / "bin"
+    empty_bin.mkdir()
+    env = child_env(tmp_path, PATH=str(empty_bin), CXX=str(tmp_path / "no-compiler"))
+    result = run_python(IMPORT_AND_REPORT + "; import shutil; print(shutil.which('ninja'), shutil.which('c++'))", env)
+    assert result.returncode == 0, result.stderr
+    from_cache, _entry, imported_cpp_extension, ninja, cxx = result.stdout.split()
+    assert (from_cache, imported_cpp_extension, ninja, cxx) == ("True", "False", "None", "None")
+    assert result.stderr == ""
+
+
+def test_broken_compiler_raises_build_error_with_log(tmp_path):
+    broken = tmp_path / "broken-c++"
+    broken.write_text(  # answers --version like a compiler, fails every compilation
+        '#!/bin/sh\nif [ "$1" = --version ]; then echo "broken-c++ 1.0"; exit 0; fi\n'
+        "echo 'broken-c++: internal compiler error: out of luck' >&2\nexit 1\n"
+    )
+    broken.chmod(0o755)
+    result = run_python("import deform_conv", child_env(tmp_path / "cache", CXX=str(broken)))
+    assert result.returncode != 0
+    assert "deform_conv._build.BuildError: compiling deform_conv's CPU kernels failed" in result.stderr
+    assert "internal compiler error: out of luck" in result.stderr
+    log = next(line.split("Full log: ", 1)[1] for line in result.stderr.splitlines() if line.startswith("Full log: "))
+    assert Path(log).is_file() and "out of luck" in Path(log).read_text()
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("cpu-")], "no entry may be published"
+
+
+def test_fallback_switch_runs_the_reference_with_a_warning(tmp_path):
+    code = (
+        "import warnings, torch\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import deform_conv\n"
+        "print(deform_conv.libraries, any('DEFORM_CONV_FALLBACK=reference' in str(w.message) for w in caught))\n"
+        "x, w, off = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3), torch.randn(1, 18, 3, 3)\n"
+        "print(torch.equal(deform_conv.deform_conv2d(x, off, w), deform_conv.deform_conv2d_reference(x, off, w)))\n"
+    )
+    no_compiler = str(tmp_path / "no-compiler")
+    result = run_python(code, child_env(tmp_path, CXX=no_compiler, DEFORM_CONV_FALLBACK="reference"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["()", "True", "True"]
+    without = run_python("import deform_conv", child_env(tmp_path, CXX=no_compiler))
+    assert without.returncode != 0 and "no C++ compiler found" in without.stderr
+
+
+def test_ahead_of_time_build_is_bundled_and_preferred(tmp_path):
+    """`DEFORM_CONV_AOT=1 pip install --no-build-isolation .` compiles at install time; the import then loads
+    the bundled library and compiles nothing."""
+    target = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target),
+         str(ROOT)],
+        capture_output=True, text=True, env={**os.environ, "DEFORM_CONV_AOT": "1"}, timeout=900,
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
+    assert (target / "deform_conv" / "_prebuilt" / "cpu.json").is_file()
+    env = child_env(tmp_path / "empty-cache", PYTHONPATH=str(target))
+    result = run_python(IMPORT_AND_REPORT + "; print(deform_conv.__file__)", env, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    from_cache, entry, _, module = result.stdout.split()
+    assert from_cache == "True" and entry == str(target / "deform_conv" / "_prebuilt")
+    assert module.startswith(str(target)) and result.stderr == ""
+    assert not (tmp_path / "empty-cache").exists()
