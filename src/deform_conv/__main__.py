@@ -2,7 +2,7 @@
 
 ``deform-conv [check]`` builds the kernels if needed, runs the op once against the pure-PyTorch reference
 (forward and every gradient) and prints the versions, the cache entry, whether it was built now, and timings.
-``doctor``, ``build`` and ``clean`` look after the kernel cache.
+``doctor``, ``build`` and ``clean`` look after the kernel cache; ``bench`` runs the CPU benchmark suite.
 """
 
 from __future__ import annotations
@@ -125,8 +125,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     build_parser.add_argument("--cuda-arch", help="GPU archs to build for, e.g. '8.0;9.0' (default: the visible GPUs "
                               "or $TORCH_CUDA_ARCH_LIST)")
     build_parser.add_argument("--cpu-only", action="store_true", help="build only the CPU library")
+    sub.add_parser("bench", help="CPU benchmark against torchvision and conv2d (see `deform-conv bench --help`)",
+                   add_help=False)
     clean_parser = sub.add_parser("clean", help="remove cache entries")
     clean_parser.add_argument("--stale", action="store_true", help="remove only entries the current setup would not load")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own options: parsed by the benchmark module
+        deform_conv._load_libraries()
+        from deform_conv import _bench
+
+        return _bench.main(argv[1:])
     args = parser.parse_args(argv)
     try:
         if args.command == "doctor":

@@ -45,11 +45,9 @@ SamplingTensors::SamplingTensors(const at::Tensor& input_, const at::Tensor& off
       offset(offset_.contiguous()),
       mask(mask_.has_value() ? mask_->contiguous() : at::Tensor()) {}
 
-at::Tensor forward_with(const SamplingPasses& passes, const at::Tensor& input, const at::Tensor& offset,
-                        const at::Tensor& weight, const std::optional<at::Tensor>& mask,
-                        const std::optional<at::Tensor>& bias, at::IntArrayRef stride, at::IntArrayRef padding,
-                        at::IntArrayRef dilation) {
-  const ConvParams p = make_conv_params(input, offset, weight, mask, bias, stride, padding, dilation);
+at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const at::Tensor& input,
+                        const at::Tensor& offset, const at::Tensor& weight, const std::optional<at::Tensor>& mask,
+                        const std::optional<at::Tensor>& bias) {
   at::Tensor output = at::empty({p.batch, p.out_channels, p.out_h, p.out_w}, input.options());  // [B, C_out, H_out, W_out]
   if (output.numel() == 0) return output;
 
@@ -71,12 +69,8 @@ at::Tensor forward_with(const SamplingPasses& passes, const at::Tensor& input, c
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> backward_with(
-    const SamplingPasses& passes, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
-    const at::Tensor& weight, const std::optional<at::Tensor>& mask, at::IntArrayRef stride, at::IntArrayRef padding,
-    at::IntArrayRef dilation, bool bias_defined) {
-  const ConvParams p = make_conv_params(input, offset, weight, mask, std::nullopt, stride, padding, dilation);
-  check_grad_output(p, grad_output, input);
-
+    const SamplingPasses& passes, const ConvParams& p, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& offset, const at::Tensor& weight, const std::optional<at::Tensor>& mask, bool bias_defined) {
   // Sums over many terms (the input's scatter, the weight's sum over images) run in the accumulation type:
   // float for half and bfloat16.
   const at::ScalarType acc_type = at::toOpMathType(input.scalar_type());

@@ -33,14 +33,14 @@ struct SamplingPasses {
   int64_t column_budget_bytes;
 };
 
-at::Tensor forward_with(const SamplingPasses& passes, const at::Tensor& input, const at::Tensor& offset,
-                        const at::Tensor& weight, const std::optional<at::Tensor>& mask,
-                        const std::optional<at::Tensor>& bias, at::IntArrayRef stride, at::IntArrayRef padding,
-                        at::IntArrayRef dilation);
+// `p` comes from make_conv_params on the same tensors (which validates them).
+at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const at::Tensor& input,
+                        const at::Tensor& offset, const at::Tensor& weight, const std::optional<at::Tensor>& mask,
+                        const std::optional<at::Tensor>& bias);
 
+// `p` comes from make_conv_params, and check_grad_output has accepted grad_output.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> backward_with(
-    const SamplingPasses& passes, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
-    const at::Tensor& weight, const std::optional<at::Tensor>& mask, at::IntArrayRef stride, at::IntArrayRef padding,
-    at::IntArrayRef dilation, bool bias_defined);
+    const SamplingPasses& passes, const ConvParams& p, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& offset, const at::Tensor& weight, const std::optional<at::Tensor>& mask, bool bias_defined);
 
 }  // namespace deform_conv

@@ -1,10 +1,11 @@
 // CPU backend: the three sampling passes (sampling_passes.cpp), dispatched over the dtypes, behind the shared
-// chunk-and-GEMM driver.
+// chunk-and-GEMM driver; depthwise layers take their own path without GEMMs (depthwise.cpp).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
 #include "../columns_driver.h"
+#include "depthwise.h"
 #include "sampling_passes.h"
 
 namespace deform_conv {
@@ -46,14 +47,19 @@ constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(32)
 at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
                    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
                    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation) {
-  return forward_with(kPasses, input, offset, weight, mask, bias, stride, padding, dilation);
+  const ConvParams p = make_conv_params(input, offset, weight, mask, bias, stride, padding, dilation);
+  if (is_depthwise(p)) return depthwise_forward(p, input, offset, weight, mask, bias);
+  return forward_with(kPasses, p, input, offset, weight, mask, bias);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
     const std::optional<at::Tensor>& mask, at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
     bool bias_defined) {
-  return backward_with(kPasses, grad_output, input, offset, weight, mask, stride, padding, dilation, bias_defined);
+  const ConvParams p = make_conv_params(input, offset, weight, mask, std::nullopt, stride, padding, dilation);
+  check_grad_output(p, grad_output, input);
+  if (is_depthwise(p)) return depthwise_backward(p, grad_output, input, offset, weight, mask, bias_defined);
+  return backward_with(kPasses, p, grad_output, input, offset, weight, mask, bias_defined);
 }
 
 }  // namespace

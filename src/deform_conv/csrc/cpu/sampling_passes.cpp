@@ -4,42 +4,11 @@
 
 #include <algorithm>
 
+#include "sampling_point.h"
+
 namespace deform_conv {
 namespace cpu {
 namespace {
-
-// (image, output pixel) rows per parallel task: enough work to amortise the task, small enough to balance.
-constexpr int64_t kRowsPerTask = 8;
-
-// The sampling point of kernel tap `tap` of offset group `group` at output pixel `pixel` of image `n`.
-template <typename scalar_t>
-inline BilinearSample<scalar_t> sample_point(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t n,
-                                             int64_t pixel, int64_t group, int64_t tap) {
-  const int64_t pixels = p.out_pixels();
-  const int64_t offset_channel = 2 * (group * p.taps() + tap);  // dy; dx is the next channel
-  const scalar_t* dy = in.offset + (n * 2 * p.offset_groups * p.taps() + offset_channel) * pixels + pixel;
-  const scalar_t y = static_cast<scalar_t>(p.base_y(pixel / p.out_w, tap / p.kernel_w)) + dy[0];
-  const scalar_t x = static_cast<scalar_t>(p.base_x(pixel % p.out_w, tap % p.kernel_w)) + dy[pixels];
-  return bilinear_sample(y, x, p.height, p.width);
-}
-
-inline int64_t mask_index(const ConvParams& p, int64_t n, int64_t pixel, int64_t group, int64_t tap) {
-  return ((n * p.offset_groups + group) * p.taps() + tap) * p.out_pixels() + pixel;
-}
-
-// Calls f(weight_group, c_begin, c_end) for each piece of the channel range [c_begin, c_end) that lies in
-// one weight group: offset groups and weight groups need not nest, and each piece is contiguous in the
-// columns.
-template <typename F>
-inline void for_each_weight_group_piece(const ConvParams& p, int64_t c_begin, int64_t c_end, F&& f) {
-  const int64_t per_group = p.in_channels_per_group();
-  for (int64_t c = c_begin; c < c_end;) {
-    const int64_t g = c / per_group;
-    const int64_t stop = std::min(c_end, (g + 1) * per_group);
-    f(g, c, stop);
-    c = stop;
-  }
-}
 
 // Address of columns[n_local, g, pixel, tap, c - g * in_channels_per_group].
 inline int64_t column_index(const ConvParams& p, int64_t n_local, int64_t g, int64_t pixel, int64_t tap, int64_t c) {
@@ -65,19 +34,8 @@ void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64
           const scalar_t m = masked ? in.mask[mask_index(p, n, pixel, group, tap)] : scalar_t(1);
           const int64_t c_begin = group * per_offset_group;
           for_each_weight_group_piece(p, c_begin, c_begin + per_offset_group, [&](int64_t g, int64_t c0, int64_t c1) {
-            scalar_t* dst = columns + column_index(p, n_local, g, pixel, tap, c0);
-            const int64_t len = c1 - c0;
-            std::fill(dst, dst + len, scalar_t(0));
-            for (int q = 0; q < s.count; ++q) {
-              const scalar_t* src = image + s.pixel[q] * channels + c0;
-              const scalar_t w = s.weight[q];
-              for (int64_t c = 0; c < len; ++c) dst[c] += w * src[c];
-            }
-            // The mask multiplies the interpolated value (not the weights), so a non-finite mask
-            // propagates exactly as a multiplication would.
-            if (masked) {
-              for (int64_t c = 0; c < len; ++c) dst[c] *= m;
-            }
+            interpolate(s, image + c0, channels, c1 - c0, masked, m,
+                        columns + column_index(p, n_local, g, pixel, tap, c0));
           });
         }
       }
@@ -102,14 +60,14 @@ void coordinate_and_mask_grads(const ConvParams& p, const SamplingInputs<scalar_
           scalar_t grad_value = 0, grad_y = 0, grad_x = 0;
           const int64_t c_begin = group * per_offset_group;
           for_each_weight_group_piece(p, c_begin, c_begin + per_offset_group, [&](int64_t g, int64_t c0, int64_t c1) {
-            const scalar_t* grad = grad_columns + column_index(p, n_local, g, pixel, tap, c0);
+            if (s.count == 0) return;
+            scalar_t dot[4];
+            neighbour_dots(s, image + c0, channels, c1 - c0,
+                           grad_columns + column_index(p, n_local, g, pixel, tap, c0), dot);
             for (int q = 0; q < s.count; ++q) {
-              const scalar_t* src = image + s.pixel[q] * channels + c0;
-              scalar_t dot = 0;
-              for (int64_t c = 0; c < c1 - c0; ++c) dot += grad[c] * src[c];
-              grad_value += s.weight[q] * dot;
-              grad_y += s.weight_dy[q] * dot;
-              grad_x += s.weight_dx[q] * dot;
+              grad_value += s.weight[q] * dot[q];
+              grad_y += s.weight_dy[q] * dot[q];
+              grad_x += s.weight_dx[q] * dot[q];
             }
           });
           const int64_t offset_channel = 2 * (group * p.taps() + tap);
@@ -156,7 +114,7 @@ void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& 
             for_each_weight_group_piece(p, c_begin, c_end, [&](int64_t g, int64_t c0, int64_t c1) {
               const scalar_t* grad = grad_columns + column_index(p, n_local, g, pixel, tap, c0);
               for (int q = 0; q < s.count; ++q) {
-                scalar_t* dst = image_grad + s.pixel[q] * channels + c0;
+                scalar_t* __restrict__ dst = image_grad + s.pixel[q] * channels + c0;
                 const scalar_t w = m * s.weight[q];
                 for (int64_t c = 0; c < c1 - c0; ++c) dst[c] += w * grad[c];
               }

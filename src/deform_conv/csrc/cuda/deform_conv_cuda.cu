@@ -239,7 +239,8 @@ at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::
                    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
                    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation) {
   const c10::cuda::CUDAGuard guard(input.device());
-  return forward_with(kPasses, input, offset, weight, mask, bias, stride, padding, dilation);
+  const ConvParams p = make_conv_params(input, offset, weight, mask, bias, stride, padding, dilation);
+  return forward_with(kPasses, p, input, offset, weight, mask, bias);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> backward(
@@ -247,7 +248,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
     const std::optional<at::Tensor>& mask, at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
     bool bias_defined) {
   const c10::cuda::CUDAGuard guard(input.device());
-  return backward_with(kPasses, grad_output, input, offset, weight, mask, stride, padding, dilation, bias_defined);
+  const ConvParams p = make_conv_params(input, offset, weight, mask, std::nullopt, stride, padding, dilation);
+  check_grad_output(p, grad_output, input);
+  return backward_with(kPasses, p, grad_output, input, offset, weight, mask, bias_defined);
 }
 
 }  // namespace

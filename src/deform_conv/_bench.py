@@ -1,0 +1,328 @@
+"""CPU benchmark suite (`deform-conv bench`, `python benchmarks/cpu_speed.py`).
+
+For each case: forward and forward+backward time of ours, of torchvision's deform_conv2d and of conv2d at the
+same shape (the floor), the ratios, and the peak memory of ours and torchvision's (measured in a child process
+each: the rise of the resident set's high-water mark over what the inputs occupy). onnxruntime's DeformConv
+runs as a forward-only peer where it is installed. Timing: one warm-up call, then calls until at least
+``min_seconds`` have passed (at least 3, at most 50), median reported; threads = all cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int
+    in_channels: int
+    out_channels: int
+    size: int
+    groups: int = 1
+    offset_groups: int = 1
+    mask: bool = True
+    kernel: int = 3
+    stride: int = 1
+    padding: int = 1
+
+    def describe(self) -> str:
+        extra = []
+        if self.groups > 1:
+            extra.append("depthwise" if self.groups == self.in_channels else f"groups {self.groups}")
+        if self.offset_groups > 1:
+            extra.append(f"offset_groups {self.offset_groups}")
+        extra.append("DCNv2" if self.mask else "DCNv1")
+        if (self.kernel, self.stride, self.padding) != (3, 1, 1):
+            extra.append(f"k{self.kernel} s{self.stride} p{self.padding}")
+        return (f"batch {self.batch}, {self.in_channels}->{self.out_channels}, {self.size}x{self.size}, "
+                + ", ".join(extra))
+
+
+CASES = [
+    Case("S1", 8, 64, 64, 56),
+    Case("S2", 4, 256, 256, 28),
+    Case("S3", 2, 512, 512, 14),
+    Case("S4", 8, 128, 128, 28, groups=128),
+    Case("S5", 4, 128, 128, 32, offset_groups=4, mask=False),
+]
+
+# Shapes beyond the five: other kernel sizes, strides and group counts, so the speed is not tuned to a list.
+EXTRA_CASES = [
+    Case("X1", 4, 96, 192, 40, kernel=5, stride=2, padding=2),
+    Case("X2", 4, 128, 128, 28, groups=4, offset_groups=2),
+    Case("X3", 2, 48, 96, 64, kernel=1, padding=0, offset_groups=3, mask=False),
+]
+
+# A few milliseconds each: what CI runs so the suite cannot rot.
+SMOKE_CASES = [Case("T1", 2, 8, 8, 10), Case("T2", 2, 8, 8, 10, groups=8, mask=False)]
+
+
+def make_inputs(case: Case, seed: int = 0) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = (case.size + 2 * case.padding - case.kernel) // case.stride + 1
+    taps = case.kernel * case.kernel
+    return {
+        "x": torch.randn(case.batch, case.in_channels, case.size, case.size, generator=g),
+        "weight": torch.randn(case.out_channels, case.in_channels // case.groups, case.kernel, case.kernel, generator=g)
+        / math.sqrt(case.in_channels // case.groups * taps),
+        "offset": torch.randn(case.batch, 2 * case.offset_groups * taps, out, out, generator=g),
+        "mask": torch.rand(case.batch, case.offset_groups * taps, out, out, generator=g) if case.mask else None,
+    }
+
+
+def _ours(case: Case, t: Dict[str, torch.Tensor]) -> torch.Tensor:
+    import deform_conv
+
+    return deform_conv.deform_conv2d(t["x"], t["offset"], t["weight"], None, case.stride, case.padding, 1, t["mask"])
+
+
+def _torchvision(case: Case, t: Dict[str, torch.Tensor]) -> torch.Tensor:
+    import torchvision
+
+    return torchvision.ops.deform_conv2d(t["x"], t["offset"], t["weight"], None, case.stride, case.padding, 1,
+                                         t["mask"])
+
+
+def _conv2d(case: Case, t: Dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.conv2d(t["x"], t["weight"], None, case.stride, case.padding, 1, case.groups)
+
+
+IMPLEMENTATIONS: Dict[str, Callable[[Case, Dict[str, torch.Tensor]], torch.Tensor]] = {
+    "ours": _ours,
+    "torchvision": _torchvision,
+    "conv2d": _conv2d,
+}
+
+
+def _median_seconds(fn: Callable[[], object], min_seconds: float) -> float:
+    from torch.utils.benchmark import Timer
+
+    fn()  # warm-up
+    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    times: List[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < min_seconds and len(times) < 50):
+        times.append(timer.timeit(1).median)
+    return statistics.median(times)
+
+
+def time_case(case: Case, impl: str, backward: bool, min_seconds: float) -> float:
+    tensors = make_inputs(case)
+    fn = IMPLEMENTATIONS[impl]
+    if not backward:
+        def call() -> None:
+            with torch.no_grad():
+                fn(case, tensors)
+        return _median_seconds(call, min_seconds)
+    leaves = {k: (v.requires_grad_() if v is not None and (impl != "conv2d" or k in ("x", "weight")) else v)
+              for k, v in tensors.items()}
+    grad_output = torch.randn_like(fn(case, leaves))
+
+    def call_backward() -> None:
+        fn(case, leaves).backward(grad_output)
+        for v in leaves.values():
+            if v is not None:
+                v.grad = None
+    return _median_seconds(call_backward, min_seconds)
+
+
+_PEAK_CHILD = """
+import json, sys, torch
+sys.path.insert(0, {src!r})
+from deform_conv import _bench
+case = _bench.Case(**json.loads(sys.argv[1]))
+impl = sys.argv[2]
+tensors = _bench.make_inputs(case)
+leaves = {{k: (v.requires_grad_() if v is not None else v) for k, v in tensors.items()}}
+fn = _bench.IMPLEMENTATIONS[impl]
+fn(case, leaves).sum().backward()  # first call: one-time allocations (thread pools, caches)
+for v in leaves.values():
+    if v is not None: v.grad = None
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1])
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets the high-water mark to the current resident set
+before = status("VmRSS:")
+fn(case, leaves).sum().backward()
+print((status("VmHWM:") - before) / 1024)
+"""
+
+
+def peak_memory_mib(case: Case, impl: str) -> Optional[float]:
+    """Rise of the peak resident memory during one forward+backward, in MiB (None where /proc cannot tell)."""
+    if not Path("/proc/self/clear_refs").exists():
+        return None
+    src = str(Path(__file__).resolve().parents[1])
+    child = subprocess.run([sys.executable, "-c", _PEAK_CHILD.format(src=src), json.dumps(dataclasses.asdict(case)), impl],
+                           capture_output=True, text=True, timeout=1800)
+    if child.returncode != 0:
+        raise RuntimeError(f"peak memory of {impl} on {case.name} failed:\n{child.stderr[-2000:]}")
+    return float(child.stdout.strip().splitlines()[-1])
+
+
+def onnxruntime_forward(case: Case, min_seconds: float) -> Optional[float]:
+    """onnxruntime's DeformConv (opset 19) forward, or None where onnxruntime (or its kernel) is missing."""
+    try:
+        import onnx
+        import onnxruntime
+        from onnx import TensorProto, helper
+    except ImportError:
+        return None
+    t = make_inputs(case)
+    names = ["x", "weight", "offset", "", "mask"] if case.mask else ["x", "weight", "offset"]
+    node = helper.make_node(
+        "DeformConv", names, ["y"], kernel_shape=[case.kernel] * 2, strides=[case.stride] * 2,
+        pads=[case.padding] * 4, dilations=[1, 1], group=case.groups, offset_group=case.offset_groups,
+    )
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(t[n].shape)) for n in names if n]
+    output = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    model = helper.make_model(helper.make_graph([node], "deform_conv", inputs, [output]),
+                              opset_imports=[helper.make_opsetid("", 19)])
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    try:
+        session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception:  # no DeformConv kernel in this onnxruntime
+        return None
+    feeds = {n: t[n].numpy() for n in names if n}
+    return _median_seconds(lambda: session.run(None, feeds), min_seconds)
+
+
+def environment() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        import torchvision
+        tv = torchvision.__version__
+    except ImportError:
+        tv = "not installed"
+    try:
+        import onnxruntime
+        ort = onnxruntime.__version__
+    except ImportError:
+        ort = "not installed"
+    import deform_conv
+
+    return (f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads; Python {platform.python_version()}, "
+            f"torch {torch.__version__}, torchvision {tv}, onnxruntime {ort}, deform_conv {deform_conv.__version__}; "
+            "fp32")
+
+
+def run(cases: Sequence[Case], min_seconds: float = 1.0, memory: bool = True, onnx: bool = True) -> List[dict]:
+    rows = []
+    for case in cases:
+        row: Dict[str, object] = {"case": case.name, "config": case.describe()}
+        for impl in IMPLEMENTATIONS:
+            row[f"{impl}_fwd"] = time_case(case, impl, backward=False, min_seconds=min_seconds)
+            row[f"{impl}_fwdbwd"] = time_case(case, impl, backward=True, min_seconds=min_seconds)
+        row["onnxruntime_fwd"] = onnxruntime_forward(case, min_seconds) if onnx else None
+        for impl in ("ours", "torchvision"):
+            row[f"{impl}_peak_mib"] = peak_memory_mib(case, impl) if memory else None
+        rows.append(row)
+        print(format_row(row), flush=True)
+    return rows
+
+
+def _ms(seconds: Optional[float]) -> str:
+    return "n/a" if seconds is None else f"{1e3 * seconds:.2f}"
+
+
+def _mib(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
+
+
+HEADER = (
+    "| case | config | fwd ms: ours | torchvision | conv2d | onnxruntime | ours/conv2d | ours/tv "
+    "| fwd+bwd ms: ours | torchvision | conv2d | ours/conv2d | ours/tv | peak MiB: ours | torchvision |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def format_row(r: dict) -> str:
+    return (
+        f"| {r['case']} | {r['config']} | {_ms(r['ours_fwd'])} | {_ms(r['torchvision_fwd'])} | {_ms(r['conv2d_fwd'])} "
+        f"| {_ms(r['onnxruntime_fwd'])} | {r['ours_fwd'] / r['conv2d_fwd']:.2f} "
+        f"| {r['ours_fwd'] / r['torchvision_fwd']:.3f} | {_ms(r['ours_fwdbwd'])} | {_ms(r['torchvision_fwdbwd'])} "
+        f"| {_ms(r['conv2d_fwdbwd'])} | {r['ours_fwdbwd'] / r['conv2d_fwdbwd']:.2f} "
+        f"| {r['ours_fwdbwd'] / r['torchvision_fwdbwd']:.3f} | {_mib(r['ours_peak_mib'])} "
+        f"| {_mib(r['torchvision_peak_mib'])} |"
+    )
+
+
+def markdown(rows: List[dict], command: str) -> str:
+    return "\n".join(
+        ["# CPU speed", "", f"Command: `{command}`", "", environment(), "", HEADER, *[format_row(r) for r in rows], ""]
+    )
+
+
+def plot(rows: List[dict], path: Path) -> bool:
+    """Bar chart of the ratios to conv2d, forward and forward+backward (False where matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [r["case"] for r in rows]
+    for ax, phase in zip(axes, ("fwd", "fwdbwd")):
+        width = 0.38
+        xs = range(len(rows))
+        ours = [r[f"ours_{phase}"] / r[f"conv2d_{phase}"] for r in rows]
+        theirs = [r[f"torchvision_{phase}"] / r[f"conv2d_{phase}"] for r in rows]
+        ax.bar([x - width / 2 for x in xs], ours, width, label="deform_conv")
+        ax.bar([x + width / 2 for x in xs], theirs, width, label="torchvision")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_yscale("log")
+        ax.set_xticks(list(xs), names)
+        ax.set_ylabel("time / conv2d time (log scale)")
+        ax.set_title("forward" if phase == "fwd" else "forward + backward")
+        ax.legend()
+    fig.suptitle("Deformable convolution on the CPU, relative to conv2d of the same shape (lower is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="deform-conv bench", description="CPU benchmark: ours vs torchvision vs conv2d")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, seconds (what CI runs)")
+    parser.add_argument("--extra", action="store_true", help="also the shapes beyond S1-S5")
+    parser.add_argument("--min-seconds", type=float, default=1.0, help="time spent per measurement")
+    parser.add_argument("--out", type=Path, default=None, help="directory for cpu.md and cpu.png")
+    args = parser.parse_args(argv)
+    cases = SMOKE_CASES if args.smoke else CASES + (EXTRA_CASES if args.extra else [])
+    min_seconds = 0.05 if args.smoke else args.min_seconds
+    print(environment())
+    print(HEADER)
+    rows = run(cases, min_seconds=min_seconds, memory=True, onnx=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        command = "deform-conv bench" + (" --smoke" if args.smoke else "") + (" --extra" if args.extra else "")
+        (args.out / "cpu.md").write_text(markdown(rows, command))
+        plotted = plot(rows, args.out / "cpu.png")
+        print(f"wrote {args.out / 'cpu.md'}" + (f" and {args.out / 'cpu.png'}" if plotted else " (no plot: matplotlib missing)"))
+    return 0

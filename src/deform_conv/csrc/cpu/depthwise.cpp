@@ -1,0 +1,215 @@
+#include "depthwise.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "sampling_point.h"
+
+namespace deform_conv {
+namespace cpu {
+namespace {
+
+// The weight's gradient sums over every (image, output pixel) row. Rows are cut into at most this many
+// blocks of consecutive rows, each summed on its own and then added in block order: the result does not
+// depend on the number of threads.
+constexpr int64_t kMaxWeightBlocks = 256;
+
+// out[row, c] = sum over taps of weight[tap, c] * mask * bilinear(input[..., c]), out channels-last [B*P, C].
+template <typename scalar_t>
+void forward_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
+                  scalar_t* out) {
+  const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_group = p.channels_per_offset_group();
+  at::parallel_for(0, p.batch * pixels, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> sampled(per_group);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t n = row / pixels, pixel = row % pixels;
+      const scalar_t* image = in.input + n * p.height * p.width * channels;
+      scalar_t* __restrict__ acc = out + row * channels;
+      std::fill(acc, acc + channels, scalar_t(0));
+      for (int64_t group = 0; group < p.offset_groups; ++group) {
+        const int64_t c0 = group * per_group;
+        for (int64_t tap = 0; tap < p.taps(); ++tap) {
+          const BilinearSample<scalar_t> s = sample_point(p, in, n, pixel, group, tap);
+          interpolate(s, image + c0, channels, per_group, in.mask != nullptr, mask_value(p, in, n, pixel, group, tap),
+                      sampled.data());
+          const scalar_t* __restrict__ w = weight_tc + tap * channels + c0;
+          const scalar_t* __restrict__ v = sampled.data();
+          for (int64_t c = 0; c < per_group; ++c) acc[c0 + c] += w[c] * v[c];
+        }
+      }
+    }
+  });
+}
+
+// grad_offset, grad_mask and the blocks' partial weight gradients [blocks, taps, C] from grad_out [B*P, C].
+template <typename scalar_t>
+void coordinate_and_weight_grads(const ConvParams& p, const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
+                                 const scalar_t* grad_out, int64_t rows_per_block, scalar_t* grad_offset,
+                                 scalar_t* grad_mask, scalar_t* weight_partials) {
+  const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_group = p.channels_per_offset_group();
+  const int64_t rows = p.batch * pixels, blocks = (rows + rows_per_block - 1) / rows_per_block;
+  at::parallel_for(0, blocks, 1, [&](int64_t block_begin, int64_t block_end) {
+    std::vector<scalar_t> sampled(per_group), grad_column(per_group);
+    for (int64_t block = block_begin; block < block_end; ++block) {
+      scalar_t* partial = weight_partials + block * p.taps() * channels;
+      std::fill(partial, partial + p.taps() * channels, scalar_t(0));
+      for (int64_t row = block * rows_per_block; row < std::min(rows, (block + 1) * rows_per_block); ++row) {
+        const int64_t n = row / pixels, pixel = row % pixels;
+        const scalar_t* image = in.input + n * p.height * p.width * channels;
+        for (int64_t group = 0; group < p.offset_groups; ++group) {
+          const int64_t c0 = group * per_group;
+          const scalar_t* __restrict__ g_out = grad_out + row * channels + c0;
+          for (int64_t tap = 0; tap < p.taps(); ++tap) {
+            const BilinearSample<scalar_t> s = sample_point(p, in, n, pixel, group, tap);
+            const scalar_t m = mask_value(p, in, n, pixel, group, tap);
+            const scalar_t* __restrict__ w = weight_tc + tap * channels + c0;
+            // The column's value is m * sampled; its gradient is weight * grad_out.
+            interpolate(s, image + c0, channels, per_group, false, scalar_t(1), sampled.data());
+            scalar_t* __restrict__ partial_tap = partial + tap * channels + c0;
+            scalar_t* __restrict__ gc = grad_column.data();
+            const scalar_t* __restrict__ v = sampled.data();
+            scalar_t grad_value = 0;
+#pragma omp simd reduction(+ : grad_value)
+            for (int64_t c = 0; c < per_group; ++c) {
+              gc[c] = w[c] * g_out[c];
+              grad_value += gc[c] * v[c];
+              partial_tap[c] += g_out[c] * (v[c] * m);
+            }
+            scalar_t dot[4] = {0, 0, 0, 0}, grad_y = 0, grad_x = 0;
+            if (s.count > 0) neighbour_dots(s, image + c0, channels, per_group, gc, dot);
+            for (int q = 0; q < s.count; ++q) {
+              grad_y += s.weight_dy[q] * dot[q];
+              grad_x += s.weight_dx[q] * dot[q];
+            }
+            scalar_t* g_dy = grad_offset + (n * 2 * p.offset_groups * p.taps() + 2 * (group * p.taps() + tap)) * pixels + pixel;
+            g_dy[0] = m * grad_y;
+            g_dy[pixels] = m * grad_x;
+            if (grad_mask != nullptr) grad_mask[mask_index(p, n, pixel, group, tap)] = grad_value;
+          }
+        }
+      }
+    }
+  });
+}
+
+// Adds d loss / d input into grad_input (channels-last): each task owns one image and one block of channels.
+template <typename scalar_t>
+void input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
+                const scalar_t* grad_out, scalar_t* grad_input) {
+  const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_group = p.channels_per_offset_group();
+  const int64_t blocks = std::max<int64_t>(
+      1, std::min<int64_t>((2 * at::get_num_threads() + p.batch - 1) / p.batch, channels / 16));
+  at::parallel_for(0, p.batch * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / blocks, block = task % blocks;
+      const int64_t block_begin = block * channels / blocks, block_end = (block + 1) * channels / blocks;
+      scalar_t* image_grad = grad_input + n * p.height * p.width * channels;
+      for (int64_t pixel = 0; pixel < pixels; ++pixel) {
+        const scalar_t* g_out = grad_out + (n * pixels + pixel) * channels;
+        for (int64_t group = 0; group < p.offset_groups; ++group) {
+          const int64_t c_begin = std::max(block_begin, group * per_group);
+          const int64_t c_end = std::min(block_end, (group + 1) * per_group);
+          if (c_begin >= c_end) continue;
+          for (int64_t tap = 0; tap < p.taps(); ++tap) {
+            const BilinearSample<scalar_t> s = sample_point(p, in, n, pixel, group, tap);
+            const scalar_t m = mask_value(p, in, n, pixel, group, tap);
+            const scalar_t* __restrict__ w = weight_tc + tap * channels;
+            for (int q = 0; q < s.count; ++q) {
+              scalar_t* __restrict__ dst = image_grad + s.pixel[q] * channels;
+              const scalar_t k = m * s.weight[q];
+              for (int64_t c = c_begin; c < c_end; ++c) dst[c] += k * (w[c] * g_out[c]);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+SamplingInputs<scalar_t> pointers(const at::Tensor& input_cl, const at::Tensor& offset, const at::Tensor& mask) {
+  return {input_cl.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
+          mask.defined() ? mask.const_data_ptr<scalar_t>() : nullptr};
+}
+
+// weight [C, 1, kh, kw] -> [taps, C]: a tap's weights for all channels are contiguous.
+at::Tensor weight_by_tap(const ConvParams& p, const at::Tensor& weight) {
+  return weight.reshape({p.in_channels, p.taps()}).t().contiguous();
+}
+
+}  // namespace
+
+at::Tensor depthwise_forward(const ConvParams& p, const at::Tensor& input, const at::Tensor& offset,
+                             const at::Tensor& weight, const std::optional<at::Tensor>& mask,
+                             const std::optional<at::Tensor>& bias) {
+  // [B, H_out, W_out, C] in memory: the rows of the pass.
+  at::Tensor output = at::empty({p.batch, p.out_channels, p.out_h, p.out_w}, input.options(), at::MemoryFormat::ChannelsLast);
+  if (output.numel() > 0) {
+    const at::Tensor input_cl = input.contiguous(at::MemoryFormat::ChannelsLast);
+    const at::Tensor offset_c = offset.contiguous();
+    const at::Tensor mask_c = mask.has_value() ? mask->contiguous() : at::Tensor();
+    const at::Tensor weight_tc = weight_by_tap(p, weight);
+    AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "deform_conv2d_depthwise_cpu", [&] {
+      forward_rows<scalar_t>(p, pointers<scalar_t>(input_cl, offset_c, mask_c), weight_tc.const_data_ptr<scalar_t>(),
+                             output.mutable_data_ptr<scalar_t>());
+    });
+  }
+  if (bias.has_value()) output.add_(bias->view({1, p.out_channels, 1, 1}));
+  return output.contiguous();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>>
+depthwise_backward(const ConvParams& p, const at::Tensor& grad_output, const at::Tensor& input,
+                   const at::Tensor& offset, const at::Tensor& weight, const std::optional<at::Tensor>& mask,
+                   bool bias_defined) {
+  at::Tensor grad_input = at::zeros({p.batch, p.height, p.width, p.in_channels}, input.options());  // channels-last
+  at::Tensor grad_offset = at::zeros(offset.sizes(), offset.options());
+  at::Tensor grad_mask = mask.has_value() ? at::zeros(mask->sizes(), mask->options()) : at::Tensor();
+  at::Tensor grad_weight_tc = at::zeros({p.taps(), p.in_channels}, weight.options());
+  std::optional<at::Tensor> grad_bias;
+  if (bias_defined) grad_bias = grad_output.sum({0, 2, 3});
+
+  const int64_t rows = p.batch * p.out_pixels();
+  if (rows > 0) {
+    const at::Tensor input_cl = input.contiguous(at::MemoryFormat::ChannelsLast);
+    const at::Tensor offset_c = offset.contiguous();
+    const at::Tensor mask_c = mask.has_value() ? mask->contiguous() : at::Tensor();
+    const at::Tensor weight_tc = weight_by_tap(p, weight);
+    const at::Tensor grad_out_cl = grad_output.permute({0, 2, 3, 1}).contiguous();  // [B, H_out, W_out, C]
+    const int64_t blocks = std::min(kMaxWeightBlocks, rows);
+    const int64_t rows_per_block = (rows + blocks - 1) / blocks;
+    at::Tensor weight_partials = at::empty({(rows + rows_per_block - 1) / rows_per_block, p.taps(), p.in_channels},
+                                           weight.options());
+    AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "deform_conv2d_depthwise_backward_cpu", [&] {
+      const SamplingInputs<scalar_t> in = pointers<scalar_t>(input_cl, offset_c, mask_c);
+      coordinate_and_weight_grads<scalar_t>(p, in, weight_tc.const_data_ptr<scalar_t>(),
+                                            grad_out_cl.const_data_ptr<scalar_t>(), rows_per_block,
+                                            grad_offset.mutable_data_ptr<scalar_t>(),
+                                            grad_mask.defined() ? grad_mask.mutable_data_ptr<scalar_t>() : nullptr,
+                                            weight_partials.mutable_data_ptr<scalar_t>());
+      input_grad<scalar_t>(p, in, weight_tc.const_data_ptr<scalar_t>(), grad_out_cl.const_data_ptr<scalar_t>(),
+                           grad_input.mutable_data_ptr<scalar_t>());
+    });
+    // Block by block, in order: the same sum whatever the number of threads.
+    AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "deform_conv2d_depthwise_backward_cpu", [&] {
+      const scalar_t* partials = weight_partials.const_data_ptr<scalar_t>();
+      scalar_t* sum = grad_weight_tc.mutable_data_ptr<scalar_t>();
+      const int64_t size = p.taps() * p.in_channels;
+      for (int64_t b = 0; b < weight_partials.size(0); ++b) {
+        for (int64_t i = 0; i < size; ++i) sum[i] += partials[b * size + i];
+      }
+    });
+  }
+  std::optional<at::Tensor> grad_mask_result;
+  if (grad_mask.defined()) grad_mask_result = grad_mask;
+  return {grad_input.permute({0, 3, 1, 2}).contiguous(), grad_offset,
+          grad_weight_tc.t().reshape({p.out_channels, 1, p.kernel_h, p.kernel_w}).contiguous(), grad_mask_result,
+          grad_bias};
+}
+
+}  // namespace cpu
+}  // namespace deform_conv
