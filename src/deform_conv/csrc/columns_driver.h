@@ -1,7 +1,7 @@
-// The device-independent part of the op: validate, lay out the tensors, walk the batch in chunks, and run
-// the GEMMs through ATen (BLAS on the CPU, cuBLAS on the GPU). Each backend supplies only its three passes
-// over the sampling points (SamplingPasses); the column layout they share is described in
-// cpu/sampling_passes.h.
+// The device-independent part of the op: lay out the tensors, walk the batch in chunks, and run the GEMMs
+// through ATen, as 1x1 convolutions over the columns (oneDNN on the CPU, cuDNN on the GPU). Each backend
+// supplies only its three passes over the sampling points (SamplingPasses); the column layout they share is
+// ConvParams::column_index.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -21,7 +21,7 @@ struct SamplingTensors {
 };
 
 struct SamplingPasses {
-  // columns [images, G, H_out*W_out, taps * C_in/G] of images [first, first + images).
+  // The columns (see ConvParams::column_index) of images [first, first + images).
   void (*fill_columns)(const ConvParams&, const SamplingTensors&, int64_t first, int64_t images, at::Tensor& columns);
   // grad_offset [B, 2*offset_groups*taps, H_out, W_out] and grad_mask (undefined without a mask) of those images.
   void (*coordinate_and_mask_grads)(const ConvParams&, const SamplingTensors&, int64_t first, int64_t images,

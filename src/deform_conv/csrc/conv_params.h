@@ -25,6 +25,14 @@ struct ConvParams {
   DC_HOST_DEVICE int64_t out_channels_per_group() const { return out_channels / groups; }
   DC_HOST_DEVICE int64_t channels_per_offset_group() const { return in_channels / offset_groups; }
 
+  // The columns of a chunk of images: [images, out_h, out_w, groups, taps, in_channels / groups], channels
+  // innermost. Read as a channels-last tensor with groups * taps * C_in/groups channels, a 1x1 convolution with
+  // `groups` groups turns them into the output. Index of (image n_local of the chunk, output pixel, weight
+  // group g, tap, channel c of the group):
+  DC_HOST_DEVICE int64_t column_index(int64_t n_local, int64_t pixel, int64_t g, int64_t tap, int64_t c) const {
+    return (((n_local * out_pixels() + pixel) * groups + g) * taps() + tap) * in_channels_per_group() + c;
+  }
+
   // Where kernel tap (i, j) of output pixel (oy, ox) samples before the learned offset is added.
   DC_HOST_DEVICE int64_t base_y(int64_t oy, int64_t i) const { return oy * stride_h - pad_h + i * dilation_h; }
   DC_HOST_DEVICE int64_t base_x(int64_t ox, int64_t j) const { return ox * stride_w - pad_w + j * dilation_w; }

@@ -27,18 +27,20 @@ void forward_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, const
     std::vector<scalar_t> sampled(per_group);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t n = row / pixels, pixel = row % pixels;
+      const RowPoints<scalar_t> points(p, in, n, pixel);
       const scalar_t* image = in.input + n * p.height * p.width * channels;
       scalar_t* __restrict__ acc = out + row * channels;
       std::fill(acc, acc + channels, scalar_t(0));
       for (int64_t group = 0; group < p.offset_groups; ++group) {
         const int64_t c0 = group * per_group;
-        for (int64_t tap = 0; tap < p.taps(); ++tap) {
-          const BilinearSample<scalar_t> s = sample_point(p, in, n, pixel, group, tap);
-          interpolate(s, image + c0, channels, per_group, in.mask != nullptr, mask_value(p, in, n, pixel, group, tap),
-                      sampled.data());
-          const scalar_t* __restrict__ w = weight_tc + tap * channels + c0;
-          const scalar_t* __restrict__ v = sampled.data();
-          for (int64_t c = 0; c < per_group; ++c) acc[c0 + c] += w[c] * v[c];
+        for (int64_t i = 0, tap = 0; i < p.kernel_h; ++i) {
+          for (int64_t j = 0; j < p.kernel_w; ++j, ++tap) {
+            interpolate(points.sample(group, i, j), image + c0, channels, per_group, in.mask != nullptr,
+                        points.mask(group, tap), sampled.data());
+            const scalar_t* __restrict__ w = weight_tc + tap * channels + c0;
+            const scalar_t* __restrict__ v = sampled.data();
+            for (int64_t c = 0; c < per_group; ++c) acc[c0 + c] += w[c] * v[c];
+          }
         }
       }
     }
@@ -59,13 +61,14 @@ void coordinate_and_weight_grads(const ConvParams& p, const SamplingInputs<scala
       std::fill(partial, partial + p.taps() * channels, scalar_t(0));
       for (int64_t row = block * rows_per_block; row < std::min(rows, (block + 1) * rows_per_block); ++row) {
         const int64_t n = row / pixels, pixel = row % pixels;
+        const RowPoints<scalar_t> points(p, in, n, pixel);
         const scalar_t* image = in.input + n * p.height * p.width * channels;
         for (int64_t group = 0; group < p.offset_groups; ++group) {
           const int64_t c0 = group * per_group;
           const scalar_t* __restrict__ g_out = grad_out + row * channels + c0;
           for (int64_t tap = 0; tap < p.taps(); ++tap) {
-            const BilinearSample<scalar_t> s = sample_point(p, in, n, pixel, group, tap);
-            const scalar_t m = mask_value(p, in, n, pixel, group, tap);
+            const BilinearSample<scalar_t> s = points.sample(group, tap / p.kernel_w, tap % p.kernel_w);
+            const scalar_t m = points.mask(group, tap);
             const scalar_t* __restrict__ w = weight_tc + tap * channels + c0;
             // The column's value is m * sampled; its gradient is weight * grad_out.
             interpolate(s, image + c0, channels, per_group, false, scalar_t(1), sampled.data());
@@ -85,10 +88,10 @@ void coordinate_and_weight_grads(const ConvParams& p, const SamplingInputs<scala
               grad_y += s.weight_dy[q] * dot[q];
               grad_x += s.weight_dx[q] * dot[q];
             }
-            scalar_t* g_dy = grad_offset + (n * 2 * p.offset_groups * p.taps() + 2 * (group * p.taps() + tap)) * pixels + pixel;
-            g_dy[0] = m * grad_y;
-            g_dy[pixels] = m * grad_x;
-            if (grad_mask != nullptr) grad_mask[mask_index(p, n, pixel, group, tap)] = grad_value;
+            const int64_t at = points.offset_index(group, tap);
+            grad_offset[at] = m * grad_y;
+            grad_offset[at + pixels] = m * grad_x;
+            if (grad_mask != nullptr) grad_mask[points.mask_index(group, tap)] = grad_value;
           }
         }
       }
@@ -109,14 +112,15 @@ void input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& in, const s
       const int64_t block_begin = block * channels / blocks, block_end = (block + 1) * channels / blocks;
       scalar_t* image_grad = grad_input + n * p.height * p.width * channels;
       for (int64_t pixel = 0; pixel < pixels; ++pixel) {
+        const RowPoints<scalar_t> points(p, in, n, pixel);
         const scalar_t* g_out = grad_out + (n * pixels + pixel) * channels;
         for (int64_t group = 0; group < p.offset_groups; ++group) {
           const int64_t c_begin = std::max(block_begin, group * per_group);
           const int64_t c_end = std::min(block_end, (group + 1) * per_group);
           if (c_begin >= c_end) continue;
           for (int64_t tap = 0; tap < p.taps(); ++tap) {
-            const BilinearSample<scalar_t> s = sample_point(p, in, n, pixel, group, tap);
-            const scalar_t m = mask_value(p, in, n, pixel, group, tap);
+            const BilinearSample<scalar_t> s = points.sample(group, tap / p.kernel_w, tap % p.kernel_w);
+            const scalar_t m = points.mask(group, tap);
             const scalar_t* __restrict__ w = weight_tc + tap * channels;
             for (int q = 0; q < s.count; ++q) {
               scalar_t* __restrict__ dst = image_grad + s.pixel[q] * channels;

@@ -10,109 +10,97 @@ namespace deform_conv {
 namespace cpu {
 namespace {
 
-// Address of columns[n_local, g, pixel, tap, c - g * in_channels_per_group].
+// Address of the columns' element for channel c (of weight group g).
 inline int64_t column_index(const ConvParams& p, int64_t n_local, int64_t g, int64_t pixel, int64_t tap, int64_t c) {
-  const int64_t per_group = p.in_channels_per_group();
-  return (((n_local * p.groups + g) * p.out_pixels() + pixel) * p.taps() + tap) * per_group + (c - g * per_group);
+  return p.column_index(n_local, pixel, g, tap, c - g * p.in_channels_per_group());
 }
 
-}  // namespace
-
 template <typename scalar_t>
-void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image, int64_t images,
-                  scalar_t* columns) {
-  const int64_t pixels = p.out_pixels(), channels = p.in_channels;
-  const int64_t per_offset_group = p.channels_per_offset_group();
-  at::parallel_for(0, images * pixels, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t n_local = row / pixels, pixel = row % pixels, n = first_image + n_local;
-      const scalar_t* image = in.input + n * p.height * p.width * channels;
-      for (int64_t group = 0; group < p.offset_groups; ++group) {
-        for (int64_t tap = 0; tap < p.taps(); ++tap) {
-          const BilinearSample<scalar_t> s = sample_point(p, in, n, pixel, group, tap);
-          const bool masked = in.mask != nullptr;
-          const scalar_t m = masked ? in.mask[mask_index(p, n, pixel, group, tap)] : scalar_t(1);
-          const int64_t c_begin = group * per_offset_group;
+DC_CPU_DISPATCH void fill_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
+                               int64_t row_begin, int64_t row_end, scalar_t* columns) {
+  const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_offset_group = p.channels_per_offset_group();
+  for (int64_t row = row_begin; row < row_end; ++row) {
+    const int64_t n_local = row / pixels, pixel = row % pixels, n = first_image + n_local;
+    const RowPoints<scalar_t> points(p, in, n, pixel);
+    const scalar_t* image = in.input + n * p.height * p.width * channels;
+    for (int64_t group = 0; group < p.offset_groups; ++group) {
+      const int64_t c_begin = group * per_offset_group;
+      for (int64_t i = 0, tap = 0; i < p.kernel_h; ++i) {
+        for (int64_t j = 0; j < p.kernel_w; ++j, ++tap) {
+          const BilinearSample<scalar_t> s = points.sample(group, i, j);
+          const scalar_t m = points.mask(group, tap);
           for_each_weight_group_piece(p, c_begin, c_begin + per_offset_group, [&](int64_t g, int64_t c0, int64_t c1) {
-            interpolate(s, image + c0, channels, c1 - c0, masked, m,
+            interpolate(s, image + c0, channels, c1 - c0, in.mask != nullptr, m,
                         columns + column_index(p, n_local, g, pixel, tap, c0));
           });
         }
       }
     }
-  });
+  }
 }
 
 template <typename scalar_t>
-void coordinate_and_mask_grads(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
-                               int64_t images, const scalar_t* grad_columns, scalar_t* grad_offset,
-                               scalar_t* grad_mask) {
-  const int64_t pixels = p.out_pixels(), channels = p.in_channels;
-  const int64_t per_offset_group = p.channels_per_offset_group();
-  at::parallel_for(0, images * pixels, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t n_local = row / pixels, pixel = row % pixels, n = first_image + n_local;
-      const scalar_t* image = in.input + n * p.height * p.width * channels;
-      for (int64_t group = 0; group < p.offset_groups; ++group) {
-        for (int64_t tap = 0; tap < p.taps(); ++tap) {
-          const BilinearSample<scalar_t> s = sample_point(p, in, n, pixel, group, tap);
-          // d loss / d value, d loss / d y and d loss / d x, before the mask's factor.
+DC_CPU_DISPATCH void coordinate_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
+                                     int64_t row_begin, int64_t row_end, const scalar_t* grad_columns,
+                                     scalar_t* grad_offset, scalar_t* grad_mask) {
+  const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_offset_group = p.channels_per_offset_group();
+  for (int64_t row = row_begin; row < row_end; ++row) {
+    const int64_t n_local = row / pixels, pixel = row % pixels, n = first_image + n_local;
+    const RowPoints<scalar_t> points(p, in, n, pixel);
+    const scalar_t* image = in.input + n * p.height * p.width * channels;
+    for (int64_t group = 0; group < p.offset_groups; ++group) {
+      const int64_t c_begin = group * per_offset_group;
+      for (int64_t i = 0, tap = 0; i < p.kernel_h; ++i) {
+        for (int64_t j = 0; j < p.kernel_w; ++j, ++tap) {
+          const BilinearSample<scalar_t> s = points.sample(group, i, j);
+          // d loss / d value, d y and d x, before the mask's factor.
           scalar_t grad_value = 0, grad_y = 0, grad_x = 0;
-          const int64_t c_begin = group * per_offset_group;
-          for_each_weight_group_piece(p, c_begin, c_begin + per_offset_group, [&](int64_t g, int64_t c0, int64_t c1) {
-            if (s.count == 0) return;
-            scalar_t dot[4];
-            neighbour_dots(s, image + c0, channels, c1 - c0,
-                           grad_columns + column_index(p, n_local, g, pixel, tap, c0), dot);
-            for (int q = 0; q < s.count; ++q) {
-              grad_value += s.weight[q] * dot[q];
-              grad_y += s.weight_dy[q] * dot[q];
-              grad_x += s.weight_dx[q] * dot[q];
-            }
-          });
-          const int64_t offset_channel = 2 * (group * p.taps() + tap);
-          scalar_t* g_dy = grad_offset + (n * 2 * p.offset_groups * p.taps() + offset_channel) * pixels + pixel;
-          if (in.mask != nullptr) {
-            const int64_t m_index = mask_index(p, n, pixel, group, tap);
-            const scalar_t m = in.mask[m_index];
-            g_dy[0] = m * grad_y;
-            g_dy[pixels] = m * grad_x;
-            grad_mask[m_index] = grad_value;
-          } else {
-            g_dy[0] = grad_y;
-            g_dy[pixels] = grad_x;
+          if (s.count > 0) {
+            for_each_weight_group_piece(p, c_begin, c_begin + per_offset_group, [&](int64_t g, int64_t c0, int64_t c1) {
+              scalar_t dot[4];
+              neighbour_dots(s, image + c0, channels, c1 - c0,
+                             grad_columns + column_index(p, n_local, g, pixel, tap, c0), dot);
+              for (int q = 0; q < s.count; ++q) {
+                grad_value += s.weight[q] * dot[q];
+                grad_y += s.weight_dy[q] * dot[q];
+                grad_x += s.weight_dx[q] * dot[q];
+              }
+            });
           }
+          const scalar_t m = points.mask(group, tap);
+          const int64_t at = points.offset_index(group, tap);
+          grad_offset[at] = m * grad_y;
+          grad_offset[at + pixels] = m * grad_x;
+          if (grad_mask != nullptr) grad_mask[points.mask_index(group, tap)] = grad_value;
         }
       }
     }
-  });
+  }
 }
 
+// Tasks are (image, block of channels) pairs: each owns the part of grad_input it writes.
 template <typename scalar_t>
-void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
-                           int64_t images, const scalar_t* grad_columns, scalar_t* grad_input) {
-  const int64_t pixels = p.out_pixels(), channels = p.in_channels;
-  const int64_t per_offset_group = p.channels_per_offset_group();
-  // Enough channel blocks that every thread has a task even for one image. The result does not depend on
-  // the blocking: each element of grad_input lies in exactly one block and sums its terms in the same order.
-  const int64_t blocks =
-      std::max<int64_t>(1, std::min<int64_t>((2 * at::get_num_threads() + images - 1) / images, channels / 8));
-  at::parallel_for(0, images * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t n_local = task / blocks, block = task % blocks, n = first_image + n_local;
-      const int64_t block_begin = block * channels / blocks, block_end = (block + 1) * channels / blocks;
-      scalar_t* image_grad = grad_input + n * p.height * p.width * channels;
-      for (int64_t pixel = 0; pixel < pixels; ++pixel) {
-        for (int64_t group = 0; group < p.offset_groups; ++group) {
-          const int64_t c_begin = std::max(block_begin, group * per_offset_group);
-          const int64_t c_end = std::min(block_end, (group + 1) * per_offset_group);
-          if (c_begin >= c_end) continue;
-          for (int64_t tap = 0; tap < p.taps(); ++tap) {
-            const BilinearSample<scalar_t> s = sample_point(p, in, n, pixel, group, tap);
+DC_CPU_DISPATCH void input_grad_tasks(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
+                                      int64_t blocks, int64_t task_begin, int64_t task_end,
+                                      const scalar_t* grad_columns, scalar_t* grad_input) {
+  const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_offset_group = p.channels_per_offset_group();
+  for (int64_t task = task_begin; task < task_end; ++task) {
+    const int64_t n_local = task / blocks, block = task % blocks, n = first_image + n_local;
+    const int64_t block_begin = block * channels / blocks, block_end = (block + 1) * channels / blocks;
+    scalar_t* image_grad = grad_input + n * p.height * p.width * channels;
+    for (int64_t pixel = 0; pixel < pixels; ++pixel) {
+      const RowPoints<scalar_t> points(p, in, n, pixel);
+      for (int64_t group = 0; group < p.offset_groups; ++group) {
+        const int64_t c_begin = std::max(block_begin, group * per_offset_group);
+        const int64_t c_end = std::min(block_end, (group + 1) * per_offset_group);
+        if (c_begin >= c_end) continue;
+        for (int64_t i = 0, tap = 0; i < p.kernel_h; ++i) {
+          for (int64_t j = 0; j < p.kernel_w; ++j, ++tap) {
+            const BilinearSample<scalar_t> s = points.sample(group, i, j);
             if (s.count == 0) continue;
-            const scalar_t m = in.mask != nullptr ? in.mask[mask_index(p, n, pixel, group, tap)] : scalar_t(1);
+            const scalar_t m = points.mask(group, tap);
             for_each_weight_group_piece(p, c_begin, c_end, [&](int64_t g, int64_t c0, int64_t c1) {
-              const scalar_t* grad = grad_columns + column_index(p, n_local, g, pixel, tap, c0);
+              const scalar_t* __restrict__ grad = grad_columns + column_index(p, n_local, g, pixel, tap, c0);
               for (int q = 0; q < s.count; ++q) {
                 scalar_t* __restrict__ dst = image_grad + s.pixel[q] * channels + c0;
                 const scalar_t w = m * s.weight[q];
@@ -123,6 +111,37 @@ void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& 
         }
       }
     }
+  }
+}
+
+}  // namespace
+
+template <typename scalar_t>
+void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image, int64_t images,
+                  scalar_t* columns) {
+  at::parallel_for(0, images * p.out_pixels(), kRowsPerTask, [&](int64_t begin, int64_t end) {
+    fill_rows(p, in, first_image, begin, end, columns);
+  });
+}
+
+template <typename scalar_t>
+void coordinate_and_mask_grads(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
+                               int64_t images, const scalar_t* grad_columns, scalar_t* grad_offset,
+                               scalar_t* grad_mask) {
+  at::parallel_for(0, images * p.out_pixels(), kRowsPerTask, [&](int64_t begin, int64_t end) {
+    coordinate_rows(p, in, first_image, begin, end, grad_columns, grad_offset, grad_mask);
+  });
+}
+
+template <typename scalar_t>
+void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
+                           int64_t images, const scalar_t* grad_columns, scalar_t* grad_input) {
+  // Enough channel blocks that every thread has a task even for one image. The result does not depend on
+  // the blocking: each element of grad_input lies in exactly one block and sums its terms in the same order.
+  const int64_t blocks =
+      std::max<int64_t>(1, std::min<int64_t>((2 * at::get_num_threads() + images - 1) / images, p.in_channels / 8));
+  at::parallel_for(0, images * blocks, 1, [&](int64_t begin, int64_t end) {
+    input_grad_tasks(p, in, first_image, blocks, begin, end, grad_columns, grad_input);
   });
 }
 

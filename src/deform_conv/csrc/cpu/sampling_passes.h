@@ -3,11 +3,9 @@
 //   input    channels-last  [batch, height, width, in_channels]        (channels innermost: contiguous gathers)
 //   offset   contiguous     [batch, 2 * offset_groups * taps, out_h, out_w]
 //   mask     contiguous     [batch, offset_groups * taps, out_h, out_w] (or absent)
-//   columns  contiguous     [images, groups, out_pixels, taps, in_channels / groups]
+//   columns  contiguous     [images, out_h, out_w, groups, taps, in_channels / groups] (ConvParams::column_index)
 //
-// Each group's slice of the columns is a row-major [out_pixels, taps * in_channels_per_group] matrix, so the
-// convolution is one batched GEMM over the groups; the weight is permuted to [groups, out_per_group, taps,
-// in_per_group] to match. `images` consecutive images starting at `first_image` form one chunk.
+// `images` consecutive images starting at `first_image` form one chunk.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +22,7 @@ struct SamplingInputs {
   const scalar_t* mask;    // [batch, offset_groups * taps, out_h, out_w], nullptr without a mask
 };
 
-// columns[n, g, pixel, tap, c] = mask * bilinear(input[n, :, :, channel]) at the tap's sampling point.
+// columns[n, pixel, g, tap, c] = mask * bilinear(input[n, :, :, channel]) at the tap's sampling point.
 template <typename scalar_t>
 void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image, int64_t images,
                   scalar_t* columns);

@@ -11,31 +11,56 @@
 namespace deform_conv {
 namespace cpu {
 
+// The passes' loops over a range of rows or tasks are compiled three times, for baseline x86-64, AVX2 and
+// AVX-512, and the dynamic loader picks the best for the CPU it runs on (an ifunc): the library stays one
+// portable binary (a prebuilt cache entry may be copied to another machine) yet uses wide vectors. The inline
+// helpers below are inlined into each copy and compiled for its instruction set.
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define DC_CPU_DISPATCH __attribute__((target_clones("default", "avx2", "avx512f")))
+#else
+#define DC_CPU_DISPATCH
+#endif
+
 // (image, output pixel) rows per parallel task: enough work to amortise the task, small enough to balance.
 constexpr int64_t kRowsPerTask = 8;
 
 
-// The sampling point of kernel tap `tap` of offset group `group` at output pixel `pixel` of image `n`.
+// The sampling points of one row, (image n, output pixel): the index arithmetic is done once per row, not
+// once per point.
 template <typename scalar_t>
-inline BilinearSample<scalar_t> sample_point(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t n,
-                                             int64_t pixel, int64_t group, int64_t tap) {
-  const int64_t pixels = p.out_pixels();
-  const int64_t offset_channel = 2 * (group * p.taps() + tap);  // dy; dx is the next channel
-  const scalar_t* dy = in.offset + (n * 2 * p.offset_groups * p.taps() + offset_channel) * pixels + pixel;
-  const scalar_t y = static_cast<scalar_t>(p.base_y(pixel / p.out_w, tap / p.kernel_w)) + dy[0];
-  const scalar_t x = static_cast<scalar_t>(p.base_x(pixel % p.out_w, tap % p.kernel_w)) + dy[pixels];
-  return bilinear_sample(y, x, p.height, p.width);
-}
+struct RowPoints {
+  const ConvParams& p;
+  const SamplingInputs<scalar_t>& in;
+  int64_t pixels;              // the stride between channels of offset and mask
+  int64_t offset_row;          // index of offset[n, 0, pixel] (and of grad_offset's)
+  int64_t mask_row;            // index of mask[n, 0, pixel] (and of grad_mask's)
+  int64_t y_origin, x_origin;  // where tap (0, 0) samples before its offset
 
-inline int64_t mask_index(const ConvParams& p, int64_t n, int64_t pixel, int64_t group, int64_t tap) {
-  return ((n * p.offset_groups + group) * p.taps() + tap) * p.out_pixels() + pixel;
-}
+  RowPoints(const ConvParams& p_, const SamplingInputs<scalar_t>& in_, int64_t n, int64_t pixel)
+      : p(p_),
+        in(in_),
+        pixels(p_.out_pixels()),
+        offset_row(n * 2 * p_.offset_groups * p_.taps() * pixels + pixel),
+        mask_row(n * p_.offset_groups * p_.taps() * pixels + pixel),
+        y_origin(p_.base_y(pixel / p_.out_w, 0)),
+        x_origin(p_.base_x(pixel % p_.out_w, 0)) {}
 
-template <typename scalar_t>
-inline scalar_t mask_value(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t n, int64_t pixel,
-                           int64_t group, int64_t tap) {
-  return in.mask != nullptr ? in.mask[mask_index(p, n, pixel, group, tap)] : scalar_t(1);
-}
+  // Index of the dy channel of (offset group, tap) in offset and grad_offset; dx is `pixels` further.
+  int64_t offset_index(int64_t group, int64_t tap) const { return offset_row + 2 * (group * p.taps() + tap) * pixels; }
+  int64_t mask_index(int64_t group, int64_t tap) const { return mask_row + (group * p.taps() + tap) * pixels; }
+
+  // Kernel tap (i, j) of offset group `group`.
+  BilinearSample<scalar_t> sample(int64_t group, int64_t i, int64_t j) const {
+    const int64_t at = offset_index(group, i * p.kernel_w + j);
+    const scalar_t y = static_cast<scalar_t>(y_origin + i * p.dilation_h) + in.offset[at];
+    const scalar_t x = static_cast<scalar_t>(x_origin + j * p.dilation_w) + in.offset[at + pixels];
+    return bilinear_sample(y, x, p.height, p.width);
+  }
+
+  scalar_t mask(int64_t group, int64_t tap) const {
+    return in.mask != nullptr ? in.mask[mask_index(group, tap)] : scalar_t(1);
+  }
+};
 
 // Calls f(weight_group, c_begin, c_end) for each piece of the channel range [c_begin, c_end) that lies in
 // one weight group: offset groups and weight groups need not nest, and each piece is contiguous in the

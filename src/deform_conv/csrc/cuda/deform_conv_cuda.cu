@@ -1,5 +1,5 @@
 // CUDA backend: the three sampling passes as kernels, behind the shared chunk-and-GEMM driver (the GEMMs go
-// to cuBLAS through ATen, on tensor cores for half types). Same column layout as the CPU (channels innermost:
+// to cuDNN through ATen as 1x1 convolutions, on tensor cores for half types). Same column layout as the CPU (channels innermost:
 // consecutive threads handle consecutive channels, so the gathers from the channels-last input and the
 // writes to the columns are coalesced). The sampling math is sampling.h, shared with the CPU.
 //
@@ -51,8 +51,8 @@ __device__ __forceinline__ BilinearSample<acc_t> sample_point(const ConvParams& 
   return bilinear_sample(y, x, p.height, p.width);
 }
 
-// Decomposes a flat column index (channel fastest, then tap, then output pixel, then image) into its parts;
-// the column address follows the [images, G, pixels, taps, C_in/G] layout.
+// Decomposes a flat work index (channel fastest, then tap, then output pixel, then image) into its parts and
+// the address of its element in the columns (ConvParams::column_index).
 template <typename index_t>
 struct ColumnElement {
   index_t n_local, pixel, tap, channel, group, column;
@@ -68,7 +68,7 @@ struct ColumnElement {
     group = channel / p.channels_per_offset_group();
     const index_t per_group = p.in_channels_per_group();
     const index_t g = channel / per_group;
-    column = (((n_local * p.groups + g) * pixels + pixel) * taps + tap) * per_group + (channel - g * per_group);
+    column = p.column_index(n_local, pixel, g, tap, channel - g * per_group);
   }
 };
 
@@ -115,8 +115,7 @@ __global__ void coordinate_grads_kernel(ConvParams p, const scalar_t* __restrict
     acc_t grad_value = 0, grad_y = 0, grad_x = 0;
     for (index_t c = group * per_offset_group + lane; c < (group + 1) * per_offset_group; c += kWarp) {
       const index_t g = c / per_group;
-      const index_t column =
-          (((n_local * p.groups + g) * p.out_pixels() + pixel) * p.taps() + tap) * per_group + (c - g * per_group);
+      const index_t column = p.column_index(n_local, pixel, g, tap, c - g * per_group);
       const acc_t grad = static_cast<acc_t>(grad_columns[column]);
       for (int q = 0; q < s.count; ++q) {
         const acc_t v = grad * static_cast<acc_t>(image[s.pixel[q] * p.in_channels + c]);
