@@ -72,8 +72,8 @@ def test_batch_larger_than_a_chunk_of_images(dtype):
 
 
 def test_images_larger_than_the_column_budget():
-    """One image of 64 channels at 64x64 in float64 takes 18 MiB of columns, so two do not fit the 32 MiB
-    budget: every image is its own chunk."""
+    """One image of 64 channels at 64x64 in float64 takes 18 MiB of columns, more than the 8 MiB budget:
+    every image is its own chunk."""
     case = make_case(torch.float64, batch=3, in_channels=64, out_channels=8, size=(64, 64), kernel=(3, 3),
                      stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=1, offset_groups=1)
     assert_all_close(output_and_grads(ours, case), output_and_grads(reference, case), torch.float64)

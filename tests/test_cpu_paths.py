@@ -1,0 +1,79 @@
+"""The paths the CPU optimisations create: chunk boundaries, uneven channel splits, the depthwise path without
+GEMMs, and the determinism of the race-free backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+
+from conftest import assert_all_close, make_case, output_and_grads
+
+import deform_conv
+
+ours = deform_conv.deform_conv2d
+reference = deform_conv.deform_conv2d_reference
+
+
+def test_batch_not_divisible_by_the_chunk():
+    """20 channels, 3x3 taps, 40x40 output in float64: 2.2 MiB of columns per image, so 3 images share an
+    8 MiB chunk and a batch of 7 ends with a partial chunk of 1."""
+    case = make_case(torch.float64, batch=7, in_channels=20, out_channels=6, size=(40, 40), kernel=(3, 3),
+                     stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=2, offset_groups=5)
+    assert_all_close(output_and_grads(ours, case), output_and_grads(reference, case), torch.float64)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(in_channels=15, out_channels=9, groups=3, offset_groups=5),   # 5 channels per group, 3 per offset group
+        dict(in_channels=7, out_channels=7, groups=1, offset_groups=7),    # one channel per offset group
+        dict(in_channels=33, out_channels=11, groups=11, offset_groups=3), # 3 per group, 11 per offset group
+    ],
+    ids=["15ch_g3_og5", "7ch_og7", "33ch_g11_og3"],
+)
+def test_odd_channel_counts(dtype, kwargs):
+    case = make_case(dtype, **kwargs)
+    results = output_and_grads(ours, case)
+    assert_all_close(results, output_and_grads(reference, case), dtype)
+    assert_all_close(results, output_and_grads(torchvision.ops.deform_conv2d, case), dtype)
+
+
+@pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no_mask"])
+@pytest.mark.parametrize("offset_groups", [1, 4])
+def test_depthwise_path(dtype, with_mask, offset_groups):
+    """groups == in_channels == out_channels runs without columns and GEMMs; 300 rows of weight-gradient
+    blocks and a batch of 37 exercise its block sums."""
+    case = make_case(dtype, batch=37, in_channels=8, out_channels=8, groups=8, offset_groups=offset_groups,
+                     kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1), size=(5, 6), with_mask=with_mask)
+    results = output_and_grads(ours, case)
+    assert_all_close(results, output_and_grads(reference, case), dtype)
+    assert_all_close(results, output_and_grads(torchvision.ops.deform_conv2d, case), dtype)
+
+
+def test_depthwise_with_channels_last_and_strided_inputs():
+    case = make_case(torch.float64, batch=3, in_channels=6, out_channels=6, groups=6, offset_groups=2)
+    strided = [case.input.contiguous(memory_format=torch.channels_last), case.offset.transpose(2, 3).contiguous()
+               .transpose(2, 3), case.weight, case.bias, case.mask]
+    assert_all_close(output_and_grads(ours, case, strided), output_and_grads(reference, case), torch.float64)
+
+
+@pytest.mark.parametrize("groups", [1, 8], ids=["columns", "depthwise"])
+def test_backward_is_bitwise_reproducible(groups):
+    """Same inputs, same threads: the same bits, run after run (no atomics, fixed summation orders). The
+    depthwise path has no GEMM, and its sums do not depend on the number of threads either; the columns path
+    leaves the GEMMs to oneDNN, whose blocking follows the thread count."""
+    case = make_case(torch.float32, batch=5, in_channels=8, out_channels=8, groups=groups, offset_groups=2,
+                     kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1), size=(24, 20))
+    threads = torch.get_num_threads()
+    counts = (threads, threads, 1) if groups == 8 else (threads, threads)
+    try:
+        runs = []
+        for n in counts:
+            torch.set_num_threads(n)
+            runs.append(output_and_grads(ours, case))
+    finally:
+        torch.set_num_threads(threads)
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert torch.equal(a, b)
