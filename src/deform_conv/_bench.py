@@ -1,8 +1,9 @@
 """CPU benchmark suite (`deform-conv bench`, `python benchmarks/cpu_speed.py`).
 
 For each case: forward and forward+backward time of ours, of torchvision's deform_conv2d and of conv2d at the
-same shape (the floor), the ratios, and the peak memory of ours and torchvision's (measured in a child process
-each: the rise of the resident set's high-water mark over what the inputs occupy). onnxruntime's DeformConv
+same shape (the floor), the ratios, and the peak memory of ours and torchvision's during a forward+backward
+(measured in a child process each: the rise of the resident set's high-water mark over what the inputs occupy,
+with malloc made to return freed blocks at once so that the resident set follows the live memory). onnxruntime's DeformConv
 runs as a forward-only peer where it is installed. Timing: one warm-up call, then calls until at least
 ``min_seconds`` have passed (at least 3, at most 50), median reported; threads = all cores.
 """
@@ -169,8 +170,11 @@ def peak_memory_mib(case: Case, impl: str) -> Optional[float]:
     if not Path("/proc/self/clear_refs").exists():
         return None
     src = str(Path(__file__).resolve().parents[1])
+    # A fixed mmap threshold: every block of 64 KiB or more is mapped when allocated and unmapped when freed,
+    # so the resident set follows the live memory instead of what malloc happens to keep for reuse.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     child = subprocess.run([sys.executable, "-c", _PEAK_CHILD.format(src=src), json.dumps(dataclasses.asdict(case)), impl],
-                           capture_output=True, text=True, timeout=1800)
+                           capture_output=True, text=True, timeout=1800, env=env)
     if child.returncode != 0:
         raise RuntimeError(f"peak memory of {impl} on {case.name} failed:\n{child.stderr[-2000:]}")
     return float(child.stdout.strip().splitlines()[-1])

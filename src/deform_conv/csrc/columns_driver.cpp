@@ -85,21 +85,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
 
   if (p.batch > 0 && p.out_channels > 0) {
     const SamplingTensors tensors(input, offset, mask);
-    const at::Tensor weight_1x1 = weight_as_1x1(p, weight);
+    const at::Tensor weight_matrix = weight_as_1x1(p, weight).view({p.out_channels, -1}).to(acc_type);
     const int64_t chunk = images_per_chunk(p, input.element_size(), passes.column_budget_bytes);
     at::Tensor columns = column_buffer(p, std::min(chunk, p.batch), input.options());
+    const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
     for (int64_t first = 0; first < p.batch; first += chunk) {
       const int64_t images = std::min(chunk, p.batch - first);
       at::Tensor chunk_columns = columns.narrow(0, 0, images);
       passes.fill_columns(p, tensors, first, images, chunk_columns);
-      // The columns' gradient and the weight's, through the 1x1 convolution's own backward.
-      auto grads = at::convolution_backward(grad_output.narrow(0, first, images), chunk_columns, weight_1x1,
-                                            std::nullopt, kOnes, kZeros, kOnes, false, kZeros, p.groups,
-                                            {true, true, false});
-      const at::Tensor grad_columns = std::get<0>(grads).contiguous(at::MemoryFormat::ChannelsLast);
-      grad_weights.add_(std::get<1>(grads));
-      passes.coordinate_and_mask_grads(p, tensors, first, images, grad_columns, grad_offset, grad_mask);
-      passes.accumulate_input_grad(p, tensors, first, images, grad_columns, grad_input);
+      // Image by image and group by group, with plain GEMMs into buffers that exist already (no temporaries of
+      // the weight's or the columns' size): first the weight's gradient, accumulated in place,
+      // [C_out/G, H_out*W_out] x [H_out*W_out, taps * C_in/G]; then, as the columns are no longer needed, their
+      // gradient overwrites them, [H_out*W_out, C_out/G] x [C_out/G, taps * C_in/G].
+      for (int64_t n = 0; n < images; ++n) {
+        const at::Tensor grad_out_n = grad_output[first + n].reshape({p.out_channels, p.out_pixels()}).to(acc_type);
+        at::Tensor columns_n = chunk_columns[n].permute({1, 2, 0}).view({p.out_pixels(), p.groups * per_group});
+        for (int64_t g = 0; g < p.groups; ++g) {
+          const at::Tensor grad_out_g = grad_out_n.narrow(0, g * out_per_group, out_per_group);
+          at::Tensor columns_g = columns_n.narrow(1, g * per_group, per_group);
+          grad_weights.view({p.out_channels, -1}).narrow(0, g * out_per_group, out_per_group)
+              .addmm_(grad_out_g, columns_g.to(acc_type));
+          const at::Tensor weight_g = weight_matrix.narrow(0, g * out_per_group, out_per_group);
+          if (acc_type == input.scalar_type()) {
+            at::mm_out(columns_g, grad_out_g.t(), weight_g);
+          } else {
+            columns_g.copy_(at::mm(grad_out_g.t(), weight_g));  // half types: the product in float, then rounded
+          }
+        }
+      }
+      passes.coordinate_and_mask_grads(p, tensors, first, images, chunk_columns, grad_offset, grad_mask);
+      passes.accumulate_input_grad(p, tensors, first, images, chunk_columns, grad_input);
     }
   } else {
     grad_offset.zero_();
