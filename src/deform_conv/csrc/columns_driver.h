@@ -1,6 +1,7 @@
 // The device-independent part of the op: lay out the tensors, walk the batch in chunks, and run the GEMMs
-// through ATen, as 1x1 convolutions over the columns (oneDNN on the CPU, cuDNN on the GPU). Each backend
-// supplies only its three passes over the sampling points (SamplingPasses); the column layout they share is
+// through ATen: the forward's as a 1x1 convolution over the columns (oneDNN on the CPU, cuDNN on the GPU), the
+// backward's as plain GEMMs into buffers that exist already (BLAS, cuBLAS). Each backend supplies only its
+// three passes over the sampling points (SamplingPasses); the column layout they share is
 // ConvParams::column_index.
 #pragma once
 

@@ -20,118 +20,113 @@ constexpr int64_t kMaxWeightBlocks = 256;
 
 // out[row, c] = sum over taps of weight[tap, c] * mask * bilinear(input[..., c]), out channels-last [B*P, C].
 template <typename scalar_t>
-void forward_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
-                  scalar_t* out) {
+DC_CPU_DISPATCH void forward_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
+                                  int64_t begin, int64_t end, scalar_t* out) {
   const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_group = p.channels_per_offset_group();
-  at::parallel_for(0, p.batch * pixels, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> sampled(per_group);
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t n = row / pixels, pixel = row % pixels;
-      const RowPoints<scalar_t> points(p, in, n, pixel);
-      const scalar_t* image = in.input + n * p.height * p.width * channels;
-      scalar_t* __restrict__ acc = out + row * channels;
-      std::fill(acc, acc + channels, scalar_t(0));
-      for (int64_t group = 0; group < p.offset_groups; ++group) {
-        const int64_t c0 = group * per_group;
-        for (int64_t i = 0, tap = 0; i < p.kernel_h; ++i) {
-          for (int64_t j = 0; j < p.kernel_w; ++j, ++tap) {
-            interpolate(points.sample(group, i, j), image + c0, channels, per_group, in.mask != nullptr,
-                        points.mask(group, tap), sampled.data());
-            const scalar_t* __restrict__ w = weight_tc + tap * channels + c0;
-            const scalar_t* __restrict__ v = sampled.data();
-            for (int64_t c = 0; c < per_group; ++c) acc[c0 + c] += w[c] * v[c];
-          }
+  std::vector<scalar_t> sampled(per_group);
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t n = row / pixels, pixel = row % pixels;
+    const RowPoints<scalar_t> points(p, in, n, pixel);
+    const scalar_t* image = in.input + n * p.height * p.width * channels;
+    scalar_t* __restrict__ acc = out + row * channels;
+    std::fill(acc, acc + channels, scalar_t(0));
+    for (int64_t group = 0; group < p.offset_groups; ++group) {
+      const int64_t c0 = group * per_group;
+      for (int64_t i = 0, tap = 0; i < p.kernel_h; ++i) {
+        for (int64_t j = 0; j < p.kernel_w; ++j, ++tap) {
+          interpolate(points.sample(group, i, j), image + c0, channels, per_group, in.mask != nullptr,
+                      points.mask(group, tap), sampled.data());
+          const scalar_t* __restrict__ w = weight_tc + tap * channels + c0;
+          const scalar_t* __restrict__ v = sampled.data();
+          for (int64_t c = 0; c < per_group; ++c) acc[c0 + c] += w[c] * v[c];
         }
       }
     }
-  });
+  }
 }
 
 // grad_offset, grad_mask and the blocks' partial weight gradients [blocks, taps, C] from grad_out [B*P, C].
 template <typename scalar_t>
-void coordinate_and_weight_grads(const ConvParams& p, const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
-                                 const scalar_t* grad_out, int64_t rows_per_block, scalar_t* grad_offset,
-                                 scalar_t* grad_mask, scalar_t* weight_partials) {
+DC_CPU_DISPATCH void coordinate_and_weight_grads(const ConvParams& p, const SamplingInputs<scalar_t>& in,
+                                                 const scalar_t* weight_tc, const scalar_t* grad_out,
+                                                 int64_t rows_per_block, int64_t block_begin, int64_t block_end,
+                                                 scalar_t* grad_offset, scalar_t* grad_mask,
+                                                 scalar_t* weight_partials) {
   const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_group = p.channels_per_offset_group();
-  const int64_t rows = p.batch * pixels, blocks = (rows + rows_per_block - 1) / rows_per_block;
-  at::parallel_for(0, blocks, 1, [&](int64_t block_begin, int64_t block_end) {
-    std::vector<scalar_t> sampled(per_group), grad_column(per_group);
-    for (int64_t block = block_begin; block < block_end; ++block) {
-      scalar_t* partial = weight_partials + block * p.taps() * channels;
-      std::fill(partial, partial + p.taps() * channels, scalar_t(0));
-      for (int64_t row = block * rows_per_block; row < std::min(rows, (block + 1) * rows_per_block); ++row) {
-        const int64_t n = row / pixels, pixel = row % pixels;
-        const RowPoints<scalar_t> points(p, in, n, pixel);
-        const scalar_t* image = in.input + n * p.height * p.width * channels;
-        for (int64_t group = 0; group < p.offset_groups; ++group) {
-          const int64_t c0 = group * per_group;
-          const scalar_t* __restrict__ g_out = grad_out + row * channels + c0;
-          for (int64_t tap = 0; tap < p.taps(); ++tap) {
-            const BilinearSample<scalar_t> s = points.sample(group, tap / p.kernel_w, tap % p.kernel_w);
-            const scalar_t m = points.mask(group, tap);
-            const scalar_t* __restrict__ w = weight_tc + tap * channels + c0;
-            // The column's value is m * sampled; its gradient is weight * grad_out.
-            interpolate(s, image + c0, channels, per_group, false, scalar_t(1), sampled.data());
-            scalar_t* __restrict__ partial_tap = partial + tap * channels + c0;
-            scalar_t* __restrict__ gc = grad_column.data();
-            const scalar_t* __restrict__ v = sampled.data();
-            scalar_t grad_value = 0;
+  const int64_t rows = p.batch * pixels;
+  std::vector<scalar_t> sampled(per_group), grad_column(per_group);
+  for (int64_t block = block_begin; block < block_end; ++block) {
+    scalar_t* partial = weight_partials + block * p.taps() * channels;
+    std::fill(partial, partial + p.taps() * channels, scalar_t(0));
+    for (int64_t row = block * rows_per_block; row < std::min(rows, (block + 1) * rows_per_block); ++row) {
+      const int64_t n = row / pixels, pixel = row % pixels;
+      const RowPoints<scalar_t> points(p, in, n, pixel);
+      const scalar_t* image = in.input + n * p.height * p.width * channels;
+      for (int64_t group = 0; group < p.offset_groups; ++group) {
+        const int64_t c0 = group * per_group;
+        const scalar_t* __restrict__ g_out = grad_out + row * channels + c0;
+        for (int64_t tap = 0; tap < p.taps(); ++tap) {
+          const BilinearSample<scalar_t> s = points.sample(group, tap / p.kernel_w, tap % p.kernel_w);
+          const scalar_t m = points.mask(group, tap);
+          const scalar_t* __restrict__ w = weight_tc + tap * channels + c0;
+          // The column's value is m * sampled; its gradient is weight * grad_out.
+          interpolate(s, image + c0, channels, per_group, false, scalar_t(1), sampled.data());
+          scalar_t* __restrict__ partial_tap = partial + tap * channels + c0;
+          scalar_t* __restrict__ gc = grad_column.data();
+          const scalar_t* __restrict__ v = sampled.data();
+          scalar_t grad_value = 0;
 #pragma omp simd reduction(+ : grad_value)
-            for (int64_t c = 0; c < per_group; ++c) {
-              gc[c] = w[c] * g_out[c];
-              grad_value += gc[c] * v[c];
-              partial_tap[c] += g_out[c] * (v[c] * m);
-            }
-            scalar_t dot[4] = {0, 0, 0, 0}, grad_y = 0, grad_x = 0;
-            if (s.count > 0) neighbour_dots(s, image + c0, channels, per_group, gc, dot);
-            for (int q = 0; q < s.count; ++q) {
-              grad_y += s.weight_dy[q] * dot[q];
-              grad_x += s.weight_dx[q] * dot[q];
-            }
-            const int64_t at = points.offset_index(group, tap);
-            grad_offset[at] = m * grad_y;
-            grad_offset[at + pixels] = m * grad_x;
-            if (grad_mask != nullptr) grad_mask[points.mask_index(group, tap)] = grad_value;
+          for (int64_t c = 0; c < per_group; ++c) {
+            gc[c] = w[c] * g_out[c];
+            grad_value += gc[c] * v[c];
+            partial_tap[c] += g_out[c] * (v[c] * m);
           }
+          scalar_t dot[4] = {0, 0, 0, 0}, grad_y = 0, grad_x = 0;
+          if (s.count > 0) neighbour_dots(s, image + c0, channels, per_group, gc, dot);
+          for (int q = 0; q < s.count; ++q) {
+            grad_y += s.weight_dy[q] * dot[q];
+            grad_x += s.weight_dx[q] * dot[q];
+          }
+          const int64_t at = points.offset_index(group, tap);
+          grad_offset[at] = m * grad_y;
+          grad_offset[at + pixels] = m * grad_x;
+          if (grad_mask != nullptr) grad_mask[points.mask_index(group, tap)] = grad_value;
         }
       }
     }
-  });
+  }
 }
 
 // Adds d loss / d input into grad_input (channels-last): each task owns one image and one block of channels.
 template <typename scalar_t>
-void input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
-                const scalar_t* grad_out, scalar_t* grad_input) {
+DC_CPU_DISPATCH void input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
+                                const scalar_t* grad_out, int64_t blocks, int64_t begin, int64_t end,
+                                scalar_t* grad_input) {
   const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_group = p.channels_per_offset_group();
-  const int64_t blocks = std::max<int64_t>(
-      1, std::min<int64_t>((2 * at::get_num_threads() + p.batch - 1) / p.batch, channels / 16));
-  at::parallel_for(0, p.batch * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / blocks, block = task % blocks;
-      const int64_t block_begin = block * channels / blocks, block_end = (block + 1) * channels / blocks;
-      scalar_t* image_grad = grad_input + n * p.height * p.width * channels;
-      for (int64_t pixel = 0; pixel < pixels; ++pixel) {
-        const RowPoints<scalar_t> points(p, in, n, pixel);
-        const scalar_t* g_out = grad_out + (n * pixels + pixel) * channels;
-        for (int64_t group = 0; group < p.offset_groups; ++group) {
-          const int64_t c_begin = std::max(block_begin, group * per_group);
-          const int64_t c_end = std::min(block_end, (group + 1) * per_group);
-          if (c_begin >= c_end) continue;
-          for (int64_t tap = 0; tap < p.taps(); ++tap) {
-            const BilinearSample<scalar_t> s = points.sample(group, tap / p.kernel_w, tap % p.kernel_w);
-            const scalar_t m = points.mask(group, tap);
-            const scalar_t* __restrict__ w = weight_tc + tap * channels;
-            for (int q = 0; q < s.count; ++q) {
-              scalar_t* __restrict__ dst = image_grad + s.pixel[q] * channels;
-              const scalar_t k = m * s.weight[q];
-              for (int64_t c = c_begin; c < c_end; ++c) dst[c] += k * (w[c] * g_out[c]);
-            }
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t n = task / blocks, block = task % blocks;
+    const int64_t block_begin = block * channels / blocks, block_end = (block + 1) * channels / blocks;
+    scalar_t* image_grad = grad_input + n * p.height * p.width * channels;
+    for (int64_t pixel = 0; pixel < pixels; ++pixel) {
+      const RowPoints<scalar_t> points(p, in, n, pixel);
+      const scalar_t* g_out = grad_out + (n * pixels + pixel) * channels;
+      for (int64_t group = 0; group < p.offset_groups; ++group) {
+        const int64_t c_begin = std::max(block_begin, group * per_group);
+        const int64_t c_end = std::min(block_end, (group + 1) * per_group);
+        if (c_begin >= c_end) continue;
+        for (int64_t tap = 0; tap < p.taps(); ++tap) {
+          const BilinearSample<scalar_t> s = points.sample(group, tap / p.kernel_w, tap % p.kernel_w);
+          const scalar_t m = points.mask(group, tap);
+          const scalar_t* __restrict__ w = weight_tc + tap * channels;
+          for (int q = 0; q < s.count; ++q) {
+            scalar_t* __restrict__ dst = image_grad + s.pixel[q] * channels;
+            const scalar_t k = m * s.weight[q];
+            for (int64_t c = c_begin; c < c_end; ++c) dst[c] += k * (w[c] * g_out[c]);
           }
         }
       }
     }
-  });
+  }
 }
 
 template <typename scalar_t>
@@ -158,8 +153,11 @@ at::Tensor depthwise_forward(const ConvParams& p, const at::Tensor& input, const
     const at::Tensor mask_c = mask.has_value() ? mask->contiguous() : at::Tensor();
     const at::Tensor weight_tc = weight_by_tap(p, weight);
     AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "deform_conv2d_depthwise_cpu", [&] {
-      forward_rows<scalar_t>(p, pointers<scalar_t>(input_cl, offset_c, mask_c), weight_tc.const_data_ptr<scalar_t>(),
-                             output.mutable_data_ptr<scalar_t>());
+      const SamplingInputs<scalar_t> in = pointers<scalar_t>(input_cl, offset_c, mask_c);
+      at::parallel_for(0, p.batch * p.out_pixels(), kRowsPerTask, [&](int64_t begin, int64_t end) {
+        forward_rows<scalar_t>(p, in, weight_tc.const_data_ptr<scalar_t>(), begin, end,
+                               output.mutable_data_ptr<scalar_t>());
+      });
     });
   }
   if (bias.has_value()) output.add_(bias->view({1, p.out_channels, 1, 1}));
@@ -190,13 +188,20 @@ depthwise_backward(const ConvParams& p, const at::Tensor& grad_output, const at:
                                            weight.options());
     AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "deform_conv2d_depthwise_backward_cpu", [&] {
       const SamplingInputs<scalar_t> in = pointers<scalar_t>(input_cl, offset_c, mask_c);
-      coordinate_and_weight_grads<scalar_t>(p, in, weight_tc.const_data_ptr<scalar_t>(),
-                                            grad_out_cl.const_data_ptr<scalar_t>(), rows_per_block,
-                                            grad_offset.mutable_data_ptr<scalar_t>(),
-                                            grad_mask.defined() ? grad_mask.mutable_data_ptr<scalar_t>() : nullptr,
-                                            weight_partials.mutable_data_ptr<scalar_t>());
-      input_grad<scalar_t>(p, in, weight_tc.const_data_ptr<scalar_t>(), grad_out_cl.const_data_ptr<scalar_t>(),
-                           grad_input.mutable_data_ptr<scalar_t>());
+      at::parallel_for(0, weight_partials.size(0), 1, [&](int64_t begin, int64_t end) {
+        coordinate_and_weight_grads<scalar_t>(p, in, weight_tc.const_data_ptr<scalar_t>(),
+                                              grad_out_cl.const_data_ptr<scalar_t>(), rows_per_block, begin, end,
+                                              grad_offset.mutable_data_ptr<scalar_t>(),
+                                              grad_mask.defined() ? grad_mask.mutable_data_ptr<scalar_t>() : nullptr,
+                                              weight_partials.mutable_data_ptr<scalar_t>());
+      });
+      // Tasks are (image, block of channels) pairs: each owns the part of grad_input it writes.
+      const int64_t blocks = std::max<int64_t>(
+          1, std::min<int64_t>((2 * at::get_num_threads() + p.batch - 1) / p.batch, p.in_channels / 16));
+      at::parallel_for(0, p.batch * blocks, 1, [&](int64_t begin, int64_t end) {
+        input_grad<scalar_t>(p, in, weight_tc.const_data_ptr<scalar_t>(), grad_out_cl.const_data_ptr<scalar_t>(),
+                             blocks, begin, end, grad_input.mutable_data_ptr<scalar_t>());
+      });
     });
     // Block by block, in order: the same sum whatever the number of threads.
     AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "deform_conv2d_depthwise_backward_cpu", [&] {

@@ -1,5 +1,5 @@
 // CUDA backend: the three sampling passes as kernels, behind the shared chunk-and-GEMM driver (the GEMMs go
-// to cuDNN through ATen as 1x1 convolutions, on tensor cores for half types). Same column layout as the CPU (channels innermost:
+// to cuDNN and cuBLAS through ATen). Same column layout as the CPU (channels innermost:
 // consecutive threads handle consecutive channels, so the gathers from the channels-last input and the
 // writes to the columns are coalesced). The sampling math is sampling.h, shared with the CPU.
 //
