@@ -15,24 +15,20 @@ inline int64_t column_index(const ConvParams& p, int64_t n_local, int64_t g, int
   return p.column_index(n_local, pixel, g, tap, c - g * p.in_channels_per_group());
 }
 
-template <typename scalar_t>
-DC_CPU_DISPATCH void fill_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
-                               int64_t row_begin, int64_t row_end, scalar_t* columns) {
-  const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_offset_group = p.channels_per_offset_group();
+// Calls f(n_local, pixel, points, group, tap, sample, image) for every sampling point of the chunk's rows
+// [row_begin, row_end), a row being one (image, output pixel); `image` is that image's channels-last input.
+template <typename scalar_t, typename F>
+inline void for_each_point_of_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
+                                   int64_t row_begin, int64_t row_end, F&& f) {
+  const int64_t pixels = p.out_pixels();
   for (int64_t row = row_begin; row < row_end; ++row) {
     const int64_t n_local = row / pixels, pixel = row % pixels, n = first_image + n_local;
     const RowPoints<scalar_t> points(p, in, n, pixel);
-    const scalar_t* image = in.input + n * p.height * p.width * channels;
+    const scalar_t* image = in.input + n * p.height * p.width * p.in_channels;
     for (int64_t group = 0; group < p.offset_groups; ++group) {
-      const int64_t c_begin = group * per_offset_group;
       for (int64_t i = 0, tap = 0; i < p.kernel_h; ++i) {
         for (int64_t j = 0; j < p.kernel_w; ++j, ++tap) {
-          const BilinearSample<scalar_t> s = points.sample(group, i, j);
-          const scalar_t m = points.mask(group, tap);
-          for_each_weight_group_piece(p, c_begin, c_begin + per_offset_group, [&](int64_t g, int64_t c0, int64_t c1) {
-            interpolate(s, image + c0, channels, c1 - c0, in.mask != nullptr, m,
-                        columns + column_index(p, n_local, g, pixel, tap, c0));
-          });
+          f(n_local, pixel, points, group, tap, points.sample(group, i, j), image);
         }
       }
     }
@@ -40,42 +36,50 @@ DC_CPU_DISPATCH void fill_rows(const ConvParams& p, const SamplingInputs<scalar_
 }
 
 template <typename scalar_t>
+DC_CPU_DISPATCH void fill_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
+                               int64_t row_begin, int64_t row_end, scalar_t* columns) {
+  const int64_t channels = p.in_channels, per_offset_group = p.channels_per_offset_group();
+  for_each_point_of_rows(p, in, first_image, row_begin, row_end,
+                         [&](int64_t n_local, int64_t pixel, const RowPoints<scalar_t>& points, int64_t group,
+                             int64_t tap, const BilinearSample<scalar_t>& s, const scalar_t* image) {
+    const scalar_t m = points.mask(group, tap);
+    const int64_t c_begin = group * per_offset_group;
+    for_each_weight_group_piece(p, c_begin, c_begin + per_offset_group, [&](int64_t g, int64_t c0, int64_t c1) {
+      interpolate(s, image + c0, channels, c1 - c0, in.mask != nullptr, m,
+                  columns + column_index(p, n_local, g, pixel, tap, c0));
+    });
+  });
+}
+
+template <typename scalar_t>
 DC_CPU_DISPATCH void coordinate_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
                                      int64_t row_begin, int64_t row_end, const scalar_t* grad_columns,
                                      scalar_t* grad_offset, scalar_t* grad_mask) {
   const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_offset_group = p.channels_per_offset_group();
-  for (int64_t row = row_begin; row < row_end; ++row) {
-    const int64_t n_local = row / pixels, pixel = row % pixels, n = first_image + n_local;
-    const RowPoints<scalar_t> points(p, in, n, pixel);
-    const scalar_t* image = in.input + n * p.height * p.width * channels;
-    for (int64_t group = 0; group < p.offset_groups; ++group) {
+  for_each_point_of_rows(p, in, first_image, row_begin, row_end,
+                         [&](int64_t n_local, int64_t pixel, const RowPoints<scalar_t>& points, int64_t group,
+                             int64_t tap, const BilinearSample<scalar_t>& s, const scalar_t* image) {
+    // d loss / d value, d y and d x, before the mask's factor.
+    scalar_t grad_value = 0, grad_y = 0, grad_x = 0;
+    if (s.count > 0) {
       const int64_t c_begin = group * per_offset_group;
-      for (int64_t i = 0, tap = 0; i < p.kernel_h; ++i) {
-        for (int64_t j = 0; j < p.kernel_w; ++j, ++tap) {
-          const BilinearSample<scalar_t> s = points.sample(group, i, j);
-          // d loss / d value, d y and d x, before the mask's factor.
-          scalar_t grad_value = 0, grad_y = 0, grad_x = 0;
-          if (s.count > 0) {
-            for_each_weight_group_piece(p, c_begin, c_begin + per_offset_group, [&](int64_t g, int64_t c0, int64_t c1) {
-              scalar_t dot[4];
-              neighbour_dots(s, image + c0, channels, c1 - c0,
-                             grad_columns + column_index(p, n_local, g, pixel, tap, c0), dot);
-              for (int q = 0; q < s.count; ++q) {
-                grad_value += s.weight[q] * dot[q];
-                grad_y += s.weight_dy[q] * dot[q];
-                grad_x += s.weight_dx[q] * dot[q];
-              }
-            });
-          }
-          const scalar_t m = points.mask(group, tap);
-          const int64_t at = points.offset_index(group, tap);
-          grad_offset[at] = m * grad_y;
-          grad_offset[at + pixels] = m * grad_x;
-          if (grad_mask != nullptr) grad_mask[points.mask_index(group, tap)] = grad_value;
+      for_each_weight_group_piece(p, c_begin, c_begin + per_offset_group, [&](int64_t g, int64_t c0, int64_t c1) {
+        scalar_t dot[4];
+        neighbour_dots(s, image + c0, channels, c1 - c0, grad_columns + column_index(p, n_local, g, pixel, tap, c0),
+                       dot);
+        for (int q = 0; q < s.count; ++q) {
+          grad_value += s.weight[q] * dot[q];
+          grad_y += s.weight_dy[q] * dot[q];
+          grad_x += s.weight_dx[q] * dot[q];
         }
-      }
+      });
     }
-  }
+    const scalar_t m = points.mask(group, tap);
+    const int64_t at = points.offset_index(group, tap);
+    grad_offset[at] = m * grad_y;
+    grad_offset[at + pixels] = m * grad_x;
+    if (grad_mask != nullptr) grad_mask[points.mask_index(group, tap)] = grad_value;
+  });
 }
 
 // Tasks are (image, block of channels) pairs: each owns the part of grad_input it writes.
