@@ -78,7 +78,9 @@ def output_and_grads(fn: Callable, case: Case, tensors: Optional[List[torch.Tens
     """Runs ``fn`` on the case and returns [output, d/d each tensor of the case] for a fixed random grad_output."""
     leaves = [t.detach().clone().requires_grad_() for t in (tensors or case.tensors())]
     out = case.call(fn, leaves)
-    grad_output = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(seed))
+    # Drawn in float64 on the CPU, then cast: the same values for every dtype and device.
+    grad_output = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    grad_output = grad_output.to(device=out.device, dtype=out.dtype)
     grads = torch.autograd.grad(out, leaves, grad_output)
     return [out.detach(), *grads]
 

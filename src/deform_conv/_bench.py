@@ -1,4 +1,4 @@
-"""CPU benchmark suite (`deform-conv bench`, `python benchmarks/cpu_speed.py`).
+"""Benchmark suite (`deform-conv bench [--gpu]`, `python benchmarks/cpu_speed.py`).
 
 For each case: forward and forward+backward time of ours, of torchvision's deform_conv2d and of conv2d at the
 same shape (the floor), the ratios, and the peak memory of ours and torchvision's during a forward+backward
@@ -72,7 +72,13 @@ EXTRA_CASES = [
 SMOKE_CASES = [Case("T1", 2, 8, 8, 10), Case("T2", 2, 8, 8, 10, groups=8, mask=False)]
 
 
-def make_inputs(case: Case, seed: int = 0) -> Dict[str, torch.Tensor]:
+def make_inputs(case: Case, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32
+                ) -> Dict[str, torch.Tensor]:
+    tensors = _make_inputs(case, seed)
+    return {k: (v.to(device=device, dtype=dtype) if v is not None else None) for k, v in tensors.items()}
+
+
+def _make_inputs(case: Case, seed: int) -> Dict[str, Optional[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = (case.size + 2 * case.padding - case.kernel) // case.stride + 1
     taps = case.kernel * case.kernel
@@ -121,8 +127,9 @@ def _median_seconds(fn: Callable[[], object], min_seconds: float) -> float:
     return statistics.median(times)
 
 
-def time_case(case: Case, impl: str, backward: bool, min_seconds: float) -> float:
-    tensors = make_inputs(case)
+def time_case(case: Case, impl: str, backward: bool, min_seconds: float, device: str = "cpu",
+              dtype: torch.dtype = torch.float32) -> float:
+    tensors = make_inputs(case, device=device, dtype=dtype)
     fn = IMPLEMENTATIONS[impl]
     if not backward:
         def call() -> None:
@@ -309,6 +316,69 @@ def plot(rows: List[dict], path: Path) -> bool:
     return True
 
 
+def gpu_peak_mib(case: Case, impl: str, dtype: torch.dtype) -> float:
+    """Peak CUDA memory allocated during one forward+backward above what the inputs hold, in MiB."""
+    tensors = {k: (v.requires_grad_() if v is not None else None)
+               for k, v in make_inputs(case, device="cuda", dtype=dtype).items()}
+    fn = IMPLEMENTATIONS[impl]
+    fn(case, tensors).sum().backward()  # warm-up: cuDNN/cuBLAS workspaces
+    for v in tensors.values():
+        if v is not None:
+            v.grad = None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn(case, tensors).sum().backward()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def run_gpu(cases: Sequence[Case], min_seconds: float) -> List[str]:
+    """GPU rows: ours in fp32 and bf16 against torchvision (fp32, and fp16 for the bf16 rows: it has no bf16)
+    and cuDNN's conv2d in the same dtype as ours."""
+    lines = []
+    for case in cases:
+        for dtype, tv_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float16)):
+            t = {}
+            for impl, d in (("ours", dtype), ("torchvision", tv_dtype), ("conv2d", dtype)):
+                for phase, backward in (("fwd", False), ("fwdbwd", True)):
+                    t[f"{impl}_{phase}"] = time_case(case, impl, backward, min_seconds, "cuda", d)
+            peak = (gpu_peak_mib(case, "ours", dtype), gpu_peak_mib(case, "torchvision", tv_dtype))
+            name = str(dtype).replace("torch.", "")
+            line = (
+                f"| {case.name} | {case.describe()} | {name} | {_ms(t['ours_fwd'])} | {_ms(t['torchvision_fwd'])} "
+                f"| {_ms(t['conv2d_fwd'])} | {t['ours_fwd'] / t['conv2d_fwd']:.2f} | {t['ours_fwd'] / t['torchvision_fwd']:.3f} "
+                f"| {_ms(t['ours_fwdbwd'])} | {_ms(t['torchvision_fwdbwd'])} | {_ms(t['conv2d_fwdbwd'])} "
+                f"| {t['ours_fwdbwd'] / t['conv2d_fwdbwd']:.2f} | {t['ours_fwdbwd'] / t['torchvision_fwdbwd']:.3f} "
+                f"| {peak[0]:.0f} | {peak[1]:.0f} |"
+            )
+            lines.append(line)
+            print(line, flush=True)
+    return lines
+
+
+GPU_HEADER = (
+    "| case | config | dtype (torchvision: fp32 / fp16) | fwd ms: ours | torchvision | cuDNN conv2d | ours/conv2d "
+    "| ours/tv | fwd+bwd ms: ours | torchvision | conv2d | ours/conv2d | ours/tv | peak MiB: ours | torchvision |\n"
+    "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def gpu_main(out: Optional[Path], min_seconds: float) -> int:
+    cases = [dataclasses.replace(c, batch=32) for c in CASES]
+    header = f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}, CUDA {torch.version.cuda}"
+    print(header)
+    print(GPU_HEADER)
+    lines = run_gpu(cases, min_seconds)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        text = "\n".join(["# GPU speed (batch 32)", "", "Command: `deform-conv bench --gpu`", "", header, "",
+                          GPU_HEADER, *lines, ""])
+        (out / "gpu.md").write_text(text)
+        print(f"wrote {out / 'gpu.md'}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
 
@@ -316,8 +386,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, seconds (what CI runs)")
     parser.add_argument("--extra", action="store_true", help="also the shapes beyond S1-S5")
     parser.add_argument("--min-seconds", type=float, default=1.0, help="time spent per measurement")
-    parser.add_argument("--out", type=Path, default=None, help="directory for cpu.md and cpu.png")
+    parser.add_argument("--out", type=Path, default=None, help="directory for cpu.md and cpu.png (gpu.md)")
+    parser.add_argument("--gpu", action="store_true", help="S1-S5 at batch 32 on the GPU, fp32 and bf16")
     args = parser.parse_args(argv)
+    if args.gpu:
+        return gpu_main(args.out, min_seconds=min(args.min_seconds, 0.3))
     cases = SMOKE_CASES if args.smoke else CASES + (EXTRA_CASES if args.extra else [])
     min_seconds = 0.05 if args.smoke else args.min_seconds
     print(environment())

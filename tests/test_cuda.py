@@ -1,0 +1,99 @@
+"""CUDA kernels against the CPU and torchvision's CUDA op (skipped without a GPU; run by benchmarks/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+
+from conftest import assert_all_close, make_case, output_and_grads
+
+import deform_conv
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or "cuda" not in {lib.variant.kind for lib in deform_conv.libraries},
+    reason="needs a visible GPU and the CUDA library (built when a GPU is visible)",
+)
+
+ours = deform_conv.deform_conv2d
+
+
+def to_cuda(case):
+    for name in ("input", "offset", "weight", "bias", "mask"):
+        value = getattr(case, name)
+        if value is not None:
+            setattr(case, name, value.cuda())
+    return case
+
+
+def on_cpu(results):
+    return [r.cpu() for r in results]
+
+
+@pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no_mask"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+def test_awkward_geometry_matches_cpu_and_torchvision(dtype, with_mask, with_bias):
+    case = make_case(dtype, with_mask=with_mask, with_bias=with_bias)
+    cpu = output_and_grads(ours, case)
+    cuda_case = to_cuda(case)
+    cuda = on_cpu(output_and_grads(ours, cuda_case))
+    assert_all_close(cuda, cpu, dtype)
+    assert_all_close(cuda, on_cpu(output_and_grads(torchvision.ops.deform_conv2d, cuda_case)), dtype)
+
+
+def test_gradcheck_cuda():
+    case = to_cuda(make_case(torch.float64, batch=2, size=(7, 6)))
+    tensors = [t.detach().clone().requires_grad_() for t in case.tensors()]
+    assert torch.autograd.gradcheck(lambda *t: case.call(ours, list(t)), tensors, eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+# Half types against float32 on the same inputs: the rounding of inputs and outputs to 8 (bf16) or 11 (fp16)
+# significant bits, with float32 accumulation inside.
+HALF_TOLERANCES = {torch.float16: (2e-2, 2e-2), torch.bfloat16: (1e-1, 1e-1)}
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_types_against_float32(half):
+    case = to_cuda(make_case(torch.float32, batch=4, in_channels=16, out_channels=8, size=(20, 18), offset_scale=1.0))
+    reference = output_and_grads(ours, case)
+    halves = [t.to(half) for t in case.tensors()]
+    results = output_and_grads(ours, case, halves)
+    rtol, atol = HALF_TOLERANCES[half]
+    for name, got, want in zip(["output", "input", "offset", "weight", "bias", "mask"], results, reference):
+        assert got.dtype == half, name
+        scale = want.abs().max().clamp_min(1)
+        torch.testing.assert_close(got.float() / scale, want / scale, rtol=rtol, atol=atol, msg=name)
+
+
+def test_large_case_cpu_and_cuda_gradients_agree():
+    """torchvision #2598: batch 8, 9 channels, 1000x110."""
+    case = make_case(torch.float64, batch=8, in_channels=9, out_channels=9, size=(1000, 110), kernel=(3, 3),
+                     stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=1, offset_groups=1)
+    cpu = output_and_grads(ours, case)
+    assert_all_close(on_cpu(output_and_grads(ours, to_cuda(case))), cpu, torch.float64)
+
+
+def test_runs_on_the_current_non_default_stream():
+    case = to_cuda(make_case(torch.float32, batch=3))
+    expected = output_and_grads(ours, case)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        results = output_and_grads(ours, case)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for got, want in zip(results, expected):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["offset", "weight", "mask", "bias"])
+def test_mismatched_devices_raise(name):
+    case = to_cuda(make_case(torch.float32))
+    args = dict(input=case.input, offset=case.offset, weight=case.weight, bias=case.bias, mask=case.mask)
+    args[name] = args[name].cpu()
+    with pytest.raises(ValueError, match=f"{name} must be on the input's device cuda:0, got cpu"):
+        ours(args["input"], args["offset"], args["weight"], args["bias"], case.stride, case.padding, case.dilation,
+             args["mask"])
+    with pytest.raises(RuntimeError, match=f"{name} must be on the input's device cuda:0, got cpu"):
+        torch.ops.deform_conv.deform_conv2d(args["input"], args["offset"], args["weight"], args["mask"], args["bias"],
+                                            list(case.stride), list(case.padding), list(case.dilation))
