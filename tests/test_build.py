@@ -123,6 +123,9 @@ def test_cuda_library_selection(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: [(9, 0), (8, 6)][i])
     assert _build.requested_cuda_archs() == ("8.6", "9.0")
+    monkeypatch.setenv("DEFORM_CONV_CUDA", "0")  # the opt-out, for GPU machines without the CUDA toolkit
+    assert _build.requested_cuda_archs() == ()
+    assert _build.requested_cuda_archs("9.0") == ("9.0",)  # an explicit --cuda-arch still builds
     monkeypatch.setattr(torch.version, "cuda", None)
     assert _build.requested_cuda_archs("9.0") == ()
 

@@ -82,7 +82,9 @@ def test_runs_on_the_current_non_default_stream():
         results = output_and_grads(ours, case)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    for got, want in zip(results, expected):
+    # The input gradient sums with atomics in no fixed order; everything else is bitwise the same.
+    torch.testing.assert_close(results[1], expected[1], rtol=1e-5, atol=1e-5)
+    for got, want in zip(results[:1] + results[2:], expected[:1] + expected[2:]):
         assert torch.equal(got, want)
 
 

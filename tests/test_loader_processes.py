@@ -108,6 +108,22 @@ def test_warm_path_needs_no_compiler_ninja_or_cpp_extension(tmp_path):
     assert result.stderr == ""
 
 
+def test_warm_path_runs_no_tool_even_without_the_version_memo(tmp_path):
+    """An entry copied without toolchains.json: the compiler is recognised from the fingerprint its key records,
+    so loading starts no process at all (any attempt raises in this child)."""
+    copy_current_cpu_entry(tmp_path)
+    assert not (tmp_path / "toolchains.json").exists()
+    code = (
+        "import subprocess, torch\n"  # torch itself may start processes while it imports
+        "def refuse(*args, **kwargs):\n"
+        "    raise AssertionError(f'the warm path started a process: {args}')\n"
+        "subprocess.run = subprocess.Popen = refuse\n" + IMPORT_AND_REPORT
+    )
+    result = run_python(code, child_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[0] == "True"
+
+
 def test_broken_compiler_raises_build_error_with_log(tmp_path):
     broken = tmp_path / "broken-c++"
     broken.write_text(  # answers --version like a compiler, fails every compilation

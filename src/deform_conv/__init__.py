@@ -17,21 +17,25 @@ libraries: _Tuple[LoadedLibrary, ...] = ()  # what was loaded, from where, and w
 
 
 def _load_libraries() -> _Tuple[LoadedLibrary, ...]:
-    """Loads (building once) the libraries this machine needs; with DEFORM_CONV_FALLBACK=reference a failed
-    build warns and leaves the pure-PyTorch implementation in charge instead of raising."""
+    """Loads (building once) the libraries this machine needs. With DEFORM_CONV_FALLBACK=reference a library
+    that cannot be built is a warning, and its device runs the pure-PyTorch implementation instead."""
     global libraries
-    try:
-        libraries = _build.load_all()
-    except BuildError as error:
-        if _os.environ.get("DEFORM_CONV_FALLBACK", "") != "reference":
-            raise
-        _warnings.warn(
-            "deform_conv: the kernels could not be built, running the slow pure-PyTorch implementation instead "
-            f"(DEFORM_CONV_FALLBACK=reference). The build said:\n{error}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        libraries = ()
+    loaded = []
+    for variant in _build.wanted_variants():
+        try:
+            loaded.append(_build.load(variant))
+        except BuildError as error:
+            if _os.environ.get("DEFORM_CONV_FALLBACK", "") != "reference":
+                raise
+            _warnings.warn(
+                f"deform_conv: the {variant.label} could not be built; {variant.kind} tensors run the slow "
+                f"pure-PyTorch implementation instead (DEFORM_CONV_FALLBACK=reference). The build said:\n{error}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            if variant.kind == "cpu":
+                break  # the CUDA library implements the schemas the CPU library defines
+    libraries = tuple(loaded)
     _ops.use_compiled_kernels({lib.variant.kind for lib in libraries})
     return libraries
 
@@ -41,8 +45,8 @@ def _invoked_as_command_line() -> bool:
     itself what to load (`doctor`, `clean` and `build --cpu-only` must work even where a build would fail)."""
     if _os.path.basename(_sys.argv[0] if _sys.argv else "") == "deform-conv":
         return True
-    # While `python -m X` imports X's package, sys.argv[0] is "-m"; orig_argv (3.10+) tells which X.
-    orig = getattr(_sys, "orig_argv", [])
+    # While `python -m X` imports X's package, sys.argv[0] is "-m"; orig_argv tells which X.
+    orig = _sys.orig_argv
     return bool(_sys.argv) and _sys.argv[0] == "-m" and any(
         a == "-m" and b == "deform_conv" for a, b in zip(orig, orig[1:])
     )

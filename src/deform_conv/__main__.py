@@ -70,6 +70,9 @@ def check() -> int:
                else f"built now in {lib.build_seconds:.1f} s")
         print(f"  {lib.variant.kind:10s} {lib.entry.name}: {how}")
 
+    if "cpu" not in {lib.variant.kind for lib in deform_conv.libraries}:
+        print("FAILED: no compiled CPU kernels are loaded (DEFORM_CONV_FALLBACK=reference runs the reference)")
+        return 1
     tolerances = {torch.float64: 1e-10, torch.float32: 1e-4}
     ok = True
     names = ("output", "grad_input", "grad_offset", "grad_weight", "grad_bias", "grad_mask")
@@ -104,6 +107,10 @@ def check() -> int:
 def build(cuda_arch: Optional[str], cpu_only: bool) -> int:
     """Prebuilds into the cache (without loading), e.g. before launching N training processes, or for a GPU
     this machine does not have."""
+    if cuda_arch and torch.version.cuda is None:
+        print(f"deform-conv: --cuda-arch needs a CUDA build of torch; torch {torch.__version__} has no CUDA",
+              file=sys.stderr)
+        return 2
     variants = [_build.Variant("cpu")]
     archs = () if cpu_only else _build.requested_cuda_archs(cuda_arch)
     if archs:

@@ -132,19 +132,36 @@ def environment_inputs(variant: Variant) -> Dict[str, object]:
     return inputs
 
 
-def toolchain_inputs(variant: Variant, root: Path) -> Optional[Dict[str, str]]:
-    """The compiler's (and for CUDA, nvcc's) id and version; None when a tool is missing."""
-    memo = root / "toolchains.json"
-    cxx = _toolchain.find_cxx()
-    if cxx is None:
-        return None
-    tools = {"cxx": _toolchain.identify(cxx, memo)}
+def _tool_paths(variant: Variant) -> Optional[Dict[str, str]]:
+    """Where the compiler (and for CUDA, nvcc) is; None when one is missing."""
+    paths = {"cxx": _toolchain.find_cxx()}
     if variant.kind == "cuda":
-        nvcc = _toolchain.find_nvcc()
-        if nvcc is None:
-            return None
-        tools["nvcc"] = _toolchain.identify(nvcc, memo)
-    return tools
+        paths["nvcc"] = _toolchain.find_nvcc()
+    return None if None in paths.values() else paths  # type: ignore[return-value]
+
+
+def _recorded_versions(root: Path, prefix: str) -> Dict[str, str]:
+    """fingerprint -> version of the tools that built this environment's entries (recorded in their keys)."""
+    known: Dict[str, str] = {}
+    for key_file in root.glob(f"{prefix}-*/{KEY_FILE}"):
+        try:
+            key = json.loads(key_file.read_text())
+            for name, fp in key.get("toolchain_fingerprints", {}).items():
+                known[fp] = key["toolchain"][name]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return known
+
+
+def toolchain_inputs(variant: Variant, root: Path) -> Optional[Dict[str, str]]:
+    """The compiler's (and for CUDA, nvcc's) id and version; None when a tool is missing. A binary that built
+    one of this environment's entries, or was asked before, is recognised by a stat: the warm path runs no tool
+    then (only a compiler never seen here is asked its version, once)."""
+    paths = _tool_paths(variant)
+    if paths is None:
+        return None
+    known = _recorded_versions(root, entry_prefix(variant, environment_inputs(variant)))
+    return {name: _toolchain.identify(path, root / "toolchains.json", known) for name, path in paths.items()}
 
 
 def _hash_of(inputs: Dict[str, object]) -> str:
@@ -176,8 +193,14 @@ def read_key(directory: Path, key_file: str = KEY_FILE) -> Optional[dict]:
 def _load(variant: Variant, directory: Path, key: dict, build_seconds: Optional[float] = None) -> LoadedLibrary:
     library = directory / key["library"]
     timer = Elapsed("loading", quiet=True)
-    with timer:
-        torch.ops.load_library(str(library))
+    try:
+        with timer:
+            torch.ops.load_library(str(library))
+    except OSError as exc:  # e.g. an entry copied from a machine with another C library
+        raise BuildError(
+            f"loading {library} failed: {exc}\nRemedy: delete {directory} (or run `deform-conv clean`) so that it "
+            "is rebuilt here, or copy an entry built on a machine like this one."
+        ) from exc
     return LoadedLibrary(variant, library, directory, build_seconds is None, build_seconds or 0.0, timer.seconds)
 
 
@@ -239,9 +262,12 @@ def load(variant: Variant) -> LoadedLibrary:
 def requested_cuda_archs(explicit: Optional[str] = None) -> Tuple[str, ...]:
     """GPU archs to build the CUDA library for: ``explicit`` (the CLI's --cuda-arch) or $TORCH_CUDA_ARCH_LIST
     when given, else the archs of the visible GPUs, else none. Without a CUDA build of torch, none; without
-    a list and without a GPU, CUDA is not initialised (device_count does not create a context)."""
+    a list and without a GPU, CUDA is not initialised (device_count does not create a context); with a GPU,
+    reading its compute capability initialises CUDA in this process. DEFORM_CONV_CUDA=0 asks for none."""
     if torch.version.cuda is None:
         return ()
+    if explicit is None and os.environ.get("DEFORM_CONV_CUDA", "") == "0":
+        return ()  # the user's opt-out: CPU kernels only, e.g. on a GPU machine without the CUDA toolkit
     spec = explicit if explicit is not None else os.environ.get("TORCH_CUDA_ARCH_LIST", "")
     if spec.strip():
         return tuple(sorted({a for a in re.split(r"[;,\s]+", spec.strip()) if a}))
@@ -249,13 +275,10 @@ def requested_cuda_archs(explicit: Optional[str] = None) -> Tuple[str, ...]:
     return tuple(sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(count)}))
 
 
-def load_all() -> Tuple[LoadedLibrary, ...]:
+def wanted_variants() -> Tuple[Variant, ...]:
     """The CPU library, then the CUDA library when :func:`requested_cuda_archs` asks for one."""
-    loaded = [load(Variant("cpu"))]
     archs = requested_cuda_archs()
-    if archs:
-        loaded.append(load(Variant("cuda", archs)))
-    return tuple(loaded)
+    return (Variant("cpu"),) + ((Variant("cuda", archs),) if archs else ())
 
 
 # ----------------------------------------------------------------------------------------------- build path
@@ -288,9 +311,9 @@ def check_prerequisites(variant: Variant) -> None:
         return
     if _toolchain.find_nvcc() is None:
         raise BuildError(
-            f"CUDA_HOME not found: no nvcc for deform_conv's {variant.label}.\nRemedy: install the CUDA toolkit "
-            f"matching torch's CUDA {torch.version.cuda} and set CUDA_HOME to it (nvcc is $CUDA_HOME/bin/nvcc); "
-            "or build the CPU kernels only (`deform-conv build --cpu-only`, or hide the GPUs)."
+            f"CUDA_HOME not found (or without bin/nvcc): no nvcc for deform_conv's {variant.label}.\nRemedy: install "
+            f"the CUDA toolkit matching torch's CUDA {torch.version.cuda} and set CUDA_HOME to it (nvcc is "
+            "$CUDA_HOME/bin/nvcc); or set DEFORM_CONV_CUDA=0 to use the CPU kernels only."
         )
     nvcc = _toolchain.identify(_toolchain.find_nvcc(), cache_root() / "toolchains.json")
     release = _toolchain.nvcc_release(nvcc)
@@ -342,7 +365,7 @@ def _compile(variant: Variant, name: str, directory: Path, log_path: Path) -> No
     command = [sys.executable, "-c", _CHILD, json.dumps(args)]
     with open(log_path, "w") as log, Elapsed(f"compiling the {variant.label}", quiet=verbose):
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 env=_build_environment(variant), cwd=directory)
+                                 errors="replace", env=_build_environment(variant), cwd=directory)
         assert child.stdout is not None
         for line in child.stdout:
             log.write(line)
@@ -362,6 +385,16 @@ def _compile(variant: Variant, name: str, directory: Path, log_path: Path) -> No
 def build(variant: Variant, root: Path, load: bool = True) -> Union[LoadedLibrary, Path]:
     """Builds ``variant`` into its cache entry under ``root`` (or waits for another process that is
     building it), then loads it; with ``load=False`` only builds it and returns the entry."""
+    try:
+        return _build_locked(variant, root, load)
+    except OSError as exc:
+        raise BuildError(
+            f"building deform_conv's {variant.label} in {root} failed: {exc}\n"
+            "Remedy: make the cache writable, or set DEFORM_CONV_CACHE_DIR to a writable directory."
+        ) from exc
+
+
+def _build_locked(variant: Variant, root: Path, load: bool) -> Union[LoadedLibrary, Path]:
     from filelock import FileLock, Timeout
 
     check_prerequisites(variant)
@@ -381,7 +414,14 @@ def build(variant: Variant, root: Path, load: bool = True) -> Union[LoadedLibrar
         lock.acquire(timeout=0)
     except Timeout:
         say(f"waiting for another process that is compiling the {variant.label} into {entry}")
-        lock.acquire()
+        waited = 0
+        while True:  # say so every minute: a stopped holder must not look like a silent hang
+            try:
+                lock.acquire(timeout=60)
+                break
+            except Timeout:
+                waited += 60
+                say(f"still waiting ({waited} s) for the lock {lock.lock_file}, held by another process")
     try:
         key = read_key(entry)
         if key is not None:  # built by the process we waited for
@@ -404,9 +444,11 @@ def build(variant: Variant, root: Path, load: bool = True) -> Union[LoadedLibrar
             raise
         shutil.move(str(log_path), str(private / "build.log"))
         library = f"{name}.so"
+        paths = _tool_paths(variant) or {}
         key = {
             "environment": environment,
             "toolchain": tools,
+            "toolchain_fingerprints": {name: _toolchain.fingerprint(path) for name, path in paths.items()},
             "library": library,
             "library_sha256": _file_sha256(private / library),
             "build_seconds": round(timer.seconds, 1),

@@ -78,21 +78,27 @@ def _probe(executable: str) -> str:
     return text.splitlines()[0] if text else f"{executable} (no version)"
 
 
-def identify(executable: str, memo_file: Optional[Path]) -> str:
-    """Version line of ``executable``, from the memo when the binary is unchanged, else by running it."""
+def fingerprint(executable: str) -> str:
+    """Path, size and modification time of the binary: a stat, which tells a changed compiler without running it."""
     resolved = os.path.realpath(executable)
     st = os.stat(resolved)
-    fingerprint = f"{resolved}|{st.st_size}|{st.st_mtime_ns}"
-    memo: Dict[str, str] = {}
+    return f"{resolved}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def identify(executable: str, memo_file: Optional[Path], known: Optional[Dict[str, str]] = None) -> str:
+    """Version line of ``executable``: from ``known`` or the memo (fingerprint -> version) when the binary is
+    unchanged, else by running it (and remembering the answer in the memo when it is writable)."""
+    fingerprint_now = fingerprint(executable)
+    memo: Dict[str, str] = dict(known or {})
     if memo_file is not None and memo_file.is_file():
         try:
-            memo = json.loads(memo_file.read_text())
+            memo.update(json.loads(memo_file.read_text()))
         except (OSError, ValueError):
-            memo = {}
-    if fingerprint in memo:
-        return memo[fingerprint]
+            pass
+    if fingerprint_now in memo:
+        return memo[fingerprint_now]
     version = _probe(executable)
-    memo[fingerprint] = version
+    memo[fingerprint_now] = version
     if memo_file is not None:
         try:  # a read-only cache simply does not remember
             memo_file.parent.mkdir(parents=True, exist_ok=True)

@@ -61,10 +61,24 @@ at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const
     const int64_t images = std::min(chunk, p.batch - first);
     at::Tensor chunk_columns = columns.narrow(0, 0, images);
     passes.fill_columns(p, tensors, first, images, chunk_columns);
-    // The GEMM, as a 1x1 convolution over the channels-last columns: oneDNN / cuDNN run it faster than a
-    // plain GEMM call would, and fuse the bias.
-    output.narrow(0, first, images).copy_(at::conv2d(chunk_columns, weight_1x1, bias, kOnes, kZeros, kOnes, p.groups));
+    if (passes.gemm_as_convolution) {
+      output.narrow(0, first, images).copy_(at::conv2d(chunk_columns, weight_1x1, bias, kOnes, kZeros, kOnes, p.groups));
+      continue;
+    }
+    // Image by image and group by group: [C_out/G, taps * C_in/G] x [taps * C_in/G, H_out*W_out].
+    const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
+    const at::Tensor weight_matrix = weight_1x1.view({p.out_channels, per_group});
+    for (int64_t n = 0; n < images; ++n) {
+      const at::Tensor columns_n = chunk_columns[n].permute({1, 2, 0}).view({p.out_pixels(), p.groups * per_group});
+      at::Tensor output_n = output[first + n].view({p.out_channels, p.out_pixels()});
+      for (int64_t g = 0; g < p.groups; ++g) {
+        at::Tensor output_g = output_n.narrow(0, g * out_per_group, out_per_group);
+        at::mm_out(output_g, weight_matrix.narrow(0, g * out_per_group, out_per_group),
+                   columns_n.narrow(1, g * per_group, per_group).t());
+      }
+    }
   }
+  if (!passes.gemm_as_convolution && bias.has_value()) output.add_(bias->view({1, p.out_channels, 1, 1}));
   return output;
 }
 

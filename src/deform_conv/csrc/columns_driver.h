@@ -1,6 +1,6 @@
 // The device-independent part of the op: lay out the tensors, walk the batch in chunks, and run the GEMMs
-// through ATen: the forward's as a 1x1 convolution over the columns (oneDNN on the CPU, cuDNN on the GPU), the
-// backward's as plain GEMMs into buffers that exist already (BLAS, cuBLAS). Each backend supplies only its
+// through ATen: the forward's as a 1x1 convolution over the columns on the CPU (oneDNN) and as plain GEMMs on
+// the GPU (cuBLAS), the backward's as plain GEMMs into buffers that exist already. Each backend supplies only its
 // three passes over the sampling points (SamplingPasses); the column layout they share is
 // ConvParams::column_index.
 #pragma once
@@ -32,6 +32,9 @@ struct SamplingPasses {
                                 const at::Tensor& grad_columns, at::Tensor& grad_input);
   // The column buffer of one chunk stays under this size (at least one image).
   int64_t column_budget_bytes;
+  // The forward's GEMM as a 1x1 convolution (oneDNN on the CPU: faster than BLAS there), or as plain GEMMs
+  // (on CUDA: cuDNN would use TF32 for float32 by default, cuBLAS follows torch's matmul setting, off).
+  bool gemm_as_convolution;
 };
 
 // `p` comes from make_conv_params on the same tensors (which validates them).

@@ -44,7 +44,7 @@ void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, in
 // 8 MiB of columns per chunk (at least one image): written by the sampling pass and read by the GEMM while
 // still in cache, and small enough that the allocator reuses the buffer from call to call instead of mapping
 // fresh pages (larger buffers are mmap-ed anew on every call, and the page faults cost as much as the sampling).
-constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(8) << 20};
+constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(8) << 20, /*gemm_as_convolution=*/true};
 
 at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
                    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,

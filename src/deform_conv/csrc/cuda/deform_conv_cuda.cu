@@ -1,18 +1,19 @@
 // CUDA backend: the three sampling passes as kernels, behind the shared chunk-and-GEMM driver (the GEMMs go
-// to cuDNN and cuBLAS through ATen). Same column layout as the CPU (channels innermost:
+// to cuBLAS through ATen, on tensor cores for half types). Same column layout as the CPU (channels innermost:
 // consecutive threads handle consecutive channels, so the gathers from the channels-last input and the
 // writes to the columns are coalesced). The sampling math is sampling.h, shared with the CPU.
 //
-// Every host entry point: device guard -> validate -> allocate -> launch on the current stream -> launch check.
+// Every host entry point: validate (devices included) -> device guard -> allocate -> launch on the current
+// stream -> launch check.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/cuda/Atomic.cuh>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <limits>
 
 #include "../columns_driver.h"
 #include "../sampling.h"
@@ -30,9 +31,10 @@ int64_t blocks_for(int64_t work, int64_t per_block) {
 }
 
 // 32-bit index arithmetic is faster; it is used only when every flat index of every tensor the kernels touch
-// fits in int32 (the columns of one chunk, the input, the offset and the input gradient).
+// (the columns of one chunk, the input, the offset and the input gradient) stays below 2^30: the grid-stride
+// loops step by at most 2^28 (2^20 blocks of 256 threads), so index + step cannot overflow int32 either.
 bool fits_int32(const ConvParams& p, int64_t images) {
-  const int64_t limit = std::numeric_limits<int32_t>::max();
+  const int64_t limit = int64_t(1) << 30;
   const int64_t columns = images * p.out_pixels() * p.taps() * p.in_channels;
   const int64_t input = p.batch * p.height * p.width * p.in_channels;
   const int64_t offset = p.batch * 2 * p.offset_groups * p.taps() * p.out_pixels();
@@ -162,7 +164,7 @@ __global__ void input_grad_kernel(ConvParams p, const scalar_t* __restrict__ off
       grad *= static_cast<acc_t>(mask[((n * p.offset_groups + e.group) * p.taps() + e.tap) * p.out_pixels() + e.pixel]);
     }
     acc_t* image_grad = grad_input + n * p.height * p.width * p.in_channels + e.channel;
-    for (int q = 0; q < s.count; ++q) atomicAdd(image_grad + s.pixel[q] * p.in_channels, s.weight[q] * grad);
+    for (int q = 0; q < s.count; ++q) gpuAtomicAdd(image_grad + s.pixel[q] * p.in_channels, s.weight[q] * grad);
   }
 }
 
@@ -232,13 +234,13 @@ void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, in
 }
 
 // 256 MiB of columns per chunk: large enough that the GEMMs fill the GPU.
-constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(256) << 20};
+constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(256) << 20, /*gemm_as_convolution=*/false};
 
 at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
                    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
                    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation) {
-  const c10::cuda::CUDAGuard guard(input.device());
   const ConvParams p = make_conv_params(input, offset, weight, mask, bias, stride, padding, dilation);
+  const c10::cuda::CUDAGuard guard(input.device());
   return forward_with(kPasses, p, input, offset, weight, mask, bias);
 }
 
@@ -246,9 +248,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
     const std::optional<at::Tensor>& mask, at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
     bool bias_defined) {
-  const c10::cuda::CUDAGuard guard(input.device());
   const ConvParams p = make_conv_params(input, offset, weight, mask, std::nullopt, stride, padding, dilation);
   check_grad_output(p, grad_output, input);
+  const c10::cuda::CUDAGuard guard(input.device());
   return backward_with(kPasses, p, grad_output, input, offset, weight, mask, bias_defined);
 }
 
