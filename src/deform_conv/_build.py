@@ -153,14 +153,14 @@ def _recorded_versions(root: Path, prefix: str) -> Dict[str, str]:
     return known
 
 
-def toolchain_inputs(variant: Variant, root: Path) -> Optional[Dict[str, str]]:
+def toolchain_inputs(variant: Variant, root: Path, environment: Dict[str, object]) -> Optional[Dict[str, str]]:
     """The compiler's (and for CUDA, nvcc's) id and version; None when a tool is missing. A binary that built
     one of this environment's entries, or was asked before, is recognised by a stat: the warm path runs no tool
     then (only a compiler never seen here is asked its version, once)."""
     paths = _tool_paths(variant)
     if paths is None:
         return None
-    known = _recorded_versions(root, entry_prefix(variant, environment_inputs(variant)))
+    known = _recorded_versions(root, entry_prefix(variant, environment))
     return {name: _toolchain.identify(path, root / "toolchains.json", known) for name, path in paths.items()}
 
 
@@ -210,9 +210,10 @@ def prebuilt_key_file(variant: Variant) -> str:
 
 def write_prebuilt_key(variant: Variant, library: Path) -> None:
     """Records the key of a library built at install time (setup.py, DEFORM_CONV_AOT=1) beside it."""
-    tools = toolchain_inputs(variant, cache_root())
+    environment = environment_inputs(variant)
+    tools = toolchain_inputs(variant, cache_root(), environment)
     key = {
-        "environment": environment_inputs(variant),
+        "environment": environment,
         "toolchain": tools,
         "library": library.name,
         "library_sha256": _file_sha256(library),
@@ -227,11 +228,12 @@ def _matching_prebuilt(variant: Variant, environment: Dict[str, object]) -> Opti
     return key if key is not None and key.get("environment") == environment else None
 
 
-def find_complete_entry(variant: Variant, root: Path) -> Optional[Tuple[Path, dict]]:
-    """The complete cache entry for this variant, or None. Runs no tool: with no compiler on PATH (a
-    deployment box), any entry built for exactly this environment by any compiler will do."""
-    environment = environment_inputs(variant)
-    tools = toolchain_inputs(variant, root)
+def find_complete_entry(variant: Variant, root: Path, environment: Optional[Dict[str, object]] = None
+                        ) -> Optional[Tuple[Path, dict]]:
+    """The complete cache entry for this variant, or None (see toolchain_inputs for when a tool runs): with no
+    compiler on PATH (a deployment box), any entry built for exactly this environment by any compiler will do."""
+    environment = environment if environment is not None else environment_inputs(variant)
+    tools = toolchain_inputs(variant, root, environment)
     if tools is not None:
         candidates: Iterable[Path] = [root / entry_name(variant, environment, tools)]
     else:
@@ -251,7 +253,7 @@ def load(variant: Variant) -> LoadedLibrary:
     if prebuilt is not None:
         return _load(variant, PREBUILT, prebuilt)
     root = cache_root()
-    found = find_complete_entry(variant, root)
+    found = find_complete_entry(variant, root, environment)
     if found is not None:
         return _load(variant, *found)
     loaded = build(variant, root)
@@ -399,7 +401,7 @@ def _build_locked(variant: Variant, root: Path, load: bool) -> Union[LoadedLibra
 
     check_prerequisites(variant)
     environment = environment_inputs(variant)
-    tools = toolchain_inputs(variant, root)
+    tools = toolchain_inputs(variant, root, environment)
     assert tools is not None  # check_prerequisites found every tool
     entry = root / entry_name(variant, environment, tools)
     try:

@@ -31,14 +31,6 @@ def entries(root: Path) -> List[Tuple[Path, dict]]:
     return found
 
 
-def current_variants() -> List[_build.Variant]:
-    variants = [_build.Variant("cpu")]
-    archs = _build.requested_cuda_archs()
-    if archs:
-        variants.append(_build.Variant("cuda", archs))
-    return variants
-
-
 def doctor() -> int:
     problems: List[str] = []
     print(f"deform_conv {__version__} doctor")
@@ -91,7 +83,7 @@ def doctor() -> int:
     if not listed:
         print("    (no entries)")
 
-    for variant in current_variants():
+    for variant in _build.wanted_variants():
         found = _build.find_complete_entry(variant, root)
         prebuilt = _build.read_key(_build.PREBUILT, _build.prebuilt_key_file(variant))
         if prebuilt and prebuilt.get("environment") == _build.environment_inputs(variant):
@@ -119,7 +111,7 @@ def clean(stale_only: bool) -> int:
     root = _build.cache_root()
     keep = set()
     if stale_only:
-        for variant in current_variants():
+        for variant in _build.wanted_variants():
             found = _build.find_complete_entry(variant, root)
             if found:
                 keep.add(found[0])

@@ -33,6 +33,16 @@ struct ConvParams {
     return (((n_local * out_pixels() + pixel) * groups + g) * taps() + tap) * in_channels_per_group() + c;
   }
 
+  // Index of the dy value of (image n, offset group, tap, output pixel) in offset [B, 2*offset_groups*taps,
+  // H_out, W_out] (and in its gradient); dx is out_pixels() further.
+  DC_HOST_DEVICE int64_t offset_index(int64_t n, int64_t group, int64_t tap, int64_t pixel) const {
+    return ((n * offset_groups + group) * taps() + tap) * 2 * out_pixels() + pixel;
+  }
+  // Index of (image n, offset group, tap, output pixel) in mask [B, offset_groups*taps, H_out, W_out].
+  DC_HOST_DEVICE int64_t mask_index(int64_t n, int64_t group, int64_t tap, int64_t pixel) const {
+    return ((n * offset_groups + group) * taps() + tap) * out_pixels() + pixel;
+  }
+
   // Where kernel tap (i, j) of output pixel (oy, ox) samples before the learned offset is added.
   DC_HOST_DEVICE int64_t base_y(int64_t oy, int64_t i) const { return oy * stride_h - pad_h + i * dilation_h; }
   DC_HOST_DEVICE int64_t base_x(int64_t ox, int64_t j) const { return ox * stride_w - pad_w + j * dilation_w; }

@@ -40,8 +40,8 @@ struct RowPoints {
       : p(p_),
         in(in_),
         pixels(p_.out_pixels()),
-        offset_row(n * 2 * p_.offset_groups * p_.taps() * pixels + pixel),
-        mask_row(n * p_.offset_groups * p_.taps() * pixels + pixel),
+        offset_row(p_.offset_index(n, 0, 0, pixel)),
+        mask_row(p_.mask_index(n, 0, 0, pixel)),
         y_origin(p_.base_y(pixel / p_.out_w, 0)),
         x_origin(p_.base_x(pixel % p_.out_w, 0)) {}
 

@@ -45,12 +45,18 @@ bool fits_int32(const ConvParams& p, int64_t images) {
 template <typename scalar_t, typename acc_t, typename index_t>
 __device__ __forceinline__ BilinearSample<acc_t> sample_point(const ConvParams& p, const scalar_t* offset, index_t n,
                                                               index_t pixel, index_t group, index_t tap) {
-  const index_t pixels = p.out_pixels();
-  const index_t channel = 2 * (group * p.taps() + tap);
-  const scalar_t* dy = offset + (n * 2 * p.offset_groups * p.taps() + channel) * pixels + pixel;
+  const scalar_t* dy = offset + p.offset_index(n, group, tap, pixel);
   const acc_t y = static_cast<acc_t>(p.base_y(pixel / p.out_w, tap / p.kernel_w)) + static_cast<acc_t>(dy[0]);
-  const acc_t x = static_cast<acc_t>(p.base_x(pixel % p.out_w, tap % p.kernel_w)) + static_cast<acc_t>(dy[pixels]);
+  const acc_t x = static_cast<acc_t>(p.base_x(pixel % p.out_w, tap % p.kernel_w)) +
+                  static_cast<acc_t>(dy[p.out_pixels()]);
   return bilinear_sample(y, x, p.height, p.width);
+}
+
+// The mask's factor for a sampling point (1 without a mask).
+template <typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ acc_t mask_factor(const ConvParams& p, const scalar_t* mask, index_t n, index_t group,
+                                             index_t tap, index_t pixel) {
+  return mask != nullptr ? static_cast<acc_t>(mask[p.mask_index(n, group, tap, pixel)]) : acc_t(1);
 }
 
 // Decomposes a flat work index (channel fastest, then tap, then output pixel, then image) into its parts and
@@ -87,9 +93,8 @@ __global__ void fill_columns_kernel(ConvParams p, const scalar_t* __restrict__ i
     const scalar_t* image = input + n * p.height * p.width * p.in_channels + e.channel;
     acc_t value = 0;
     for (int q = 0; q < s.count; ++q) value += s.weight[q] * static_cast<acc_t>(image[s.pixel[q] * p.in_channels]);
-    if (mask != nullptr) {
-      value *= static_cast<acc_t>(mask[((n * p.offset_groups + e.group) * p.taps() + e.tap) * p.out_pixels() + e.pixel]);
-    }
+    // The mask multiplies the interpolated value, so a non-finite mask propagates as a multiplication would.
+    if (mask != nullptr) value *= mask_factor<scalar_t, acc_t, index_t>(p, mask, n, e.group, e.tap, e.pixel);
     columns[e.column] = static_cast<scalar_t>(value);
   }
 }
@@ -132,14 +137,9 @@ __global__ void coordinate_grads_kernel(ConvParams p, const scalar_t* __restrict
       grad_x += __shfl_xor_sync(0xffffffffu, grad_x, delta);
     }
     if (lane == 0) {
-      const index_t channel = 2 * (group * p.taps() + tap);
-      scalar_t* g_dy = grad_offset + (n * 2 * p.offset_groups * p.taps() + channel) * p.out_pixels() + pixel;
-      acc_t m = 1;
-      if (mask != nullptr) {
-        const index_t m_index = ((n * p.offset_groups + group) * p.taps() + tap) * p.out_pixels() + pixel;
-        m = static_cast<acc_t>(mask[m_index]);
-        grad_mask[m_index] = static_cast<scalar_t>(grad_value);
-      }
+      const acc_t m = mask_factor<scalar_t, acc_t, index_t>(p, mask, n, group, tap, pixel);
+      if (mask != nullptr) grad_mask[p.mask_index(n, group, tap, pixel)] = static_cast<scalar_t>(grad_value);
+      scalar_t* g_dy = grad_offset + p.offset_index(n, group, tap, pixel);
       g_dy[0] = static_cast<scalar_t>(m * grad_y);
       g_dy[p.out_pixels()] = static_cast<scalar_t>(m * grad_x);
     }
@@ -159,10 +159,8 @@ __global__ void input_grad_kernel(ConvParams p, const scalar_t* __restrict__ off
     const index_t n = first + e.n_local;
     const BilinearSample<acc_t> s = sample_point<scalar_t, acc_t, index_t>(p, offset, n, e.pixel, e.group, e.tap);
     if (s.count == 0) continue;
-    acc_t grad = static_cast<acc_t>(grad_columns[e.column]);
-    if (mask != nullptr) {
-      grad *= static_cast<acc_t>(mask[((n * p.offset_groups + e.group) * p.taps() + e.tap) * p.out_pixels() + e.pixel]);
-    }
+    const acc_t grad = static_cast<acc_t>(grad_columns[e.column]) *
+                       mask_factor<scalar_t, acc_t, index_t>(p, mask, n, e.group, e.tap, e.pixel);
     acc_t* image_grad = grad_input + n * p.height * p.width * p.in_channels + e.channel;
     for (int q = 0; q < s.count; ++q) gpuAtomicAdd(image_grad + s.pixel[q] * p.in_channels, s.weight[q] * grad);
   }
