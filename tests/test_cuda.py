@@ -99,3 +99,14 @@ def test_mismatched_devices_raise(name):
     with pytest.raises(RuntimeError, match=f"{name} must be on the input's device cuda:0, got cpu"):
         torch.ops.deform_conv.deform_conv2d(args["input"], args["offset"], args["weight"], args["mask"], args["bias"],
                                             list(case.stride), list(case.padding), list(case.dilation))
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cuda_autocast_casts_like_conv2d(half):
+    case = to_cuda(make_case(torch.float32))
+    with torch.autocast("cuda", dtype=half):
+        out = case.call(ours, case.tensors())
+        conv = torch.nn.functional.conv2d(case.input, case.weight, case.bias, case.stride, case.padding,
+                                          case.dilation, groups=2)
+    assert out.dtype == conv.dtype == half
+    assert torch.equal(out, case.call(ours, [t.to(half) for t in case.tensors()]))

@@ -6,12 +6,16 @@ Each error names the argument, what was expected and what was got. The C++ op re
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence, Tuple, Union
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-IntPair = Union[int, Tuple[int, int], Sequence[int]]
+# An int or a (height, width) pair; spelled so that TorchScript can compile functions that take it.
+IntPair = Union[int, Tuple[int, int], List[int]]
+
+# On every device; the CPU computes the half types in float32.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class Geometry(NamedTuple):
@@ -79,8 +83,8 @@ def check_args(
     _check_tensor(input, "input", 4, "[batch, channels, height, width]")
     _check_tensor(weight, "weight", 4, "[out_channels, in_channels / groups, kernel_h, kernel_w]")
     _check_tensor(offset, "offset", 4, "[batch, 2 * offset_groups * kernel_h * kernel_w, out_h, out_w]")
-    if not input.dtype.is_floating_point:
-        raise TypeError(f"input must be a floating-point tensor, got {input.dtype}")
+    if input.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"input must be float16, bfloat16, float32 or float64, got {input.dtype}")
     _check_like_input(offset, "offset", input)
     _check_like_input(weight, "weight", input)
     stride_hw = as_pair(stride, "stride", 1)
@@ -91,8 +95,6 @@ def check_args(
     out_channels, in_per_group, kernel_h, kernel_w = weight.shape
     if in_channels < 1:
         raise ValueError(f"input must have at least 1 channel, got shape {_shape(input)}")
-    if input.device.type == "cpu" and input.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"input on the CPU must be float32 or float64, got {input.dtype}")
     if kernel_h < 1 or kernel_w < 1:
         raise ValueError(f"weight's kernel size must be at least 1x1, got weight of shape {_shape(weight)}")
     if in_per_group < 1 or in_channels % in_per_group != 0:

@@ -7,7 +7,7 @@ pure-PyTorch reference.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Set
+from typing import List, Optional, Sequence, Set
 
 import torch
 from torch import Tensor
@@ -44,12 +44,27 @@ def deform_conv2d(
         ``[B, C_out, H_out, W_out]``, with ``H_out = (H + 2 * pad_h - dil_h * (kh - 1) - 1) // stride_h + 1``
         (likewise W_out).
     """
-    geo = check_args(input, offset, weight, mask, bias, stride, padding, dilation)
-    if input.device.type not in _compiled_devices:
-        return deform_conv2d_reference(input, offset, weight, bias, stride, padding, dilation, mask)
+    # TorchScript compiles only the last call (the C++ op checks its arguments); the tracer (TorchScript-based ONNX
+    # export) takes it too, since the Python checks would read traced sizes.
+    if not torch.jit.is_scripting() and not torch.jit.is_tracing():
+        geo = check_args(input, offset, weight, mask, bias, stride, padding, dilation)
+        if input.device.type not in _compiled_devices:
+            return deform_conv2d_reference(input, offset, weight, bias, stride, padding, dilation, mask)
+        return torch.ops.deform_conv.deform_conv2d(
+            input, offset, weight, mask, bias, list(geo.stride), list(geo.padding), list(geo.dilation)
+        )
     return torch.ops.deform_conv.deform_conv2d(
-        input, offset, weight, mask, bias, list(geo.stride), list(geo.padding), list(geo.dilation)
+        input, offset, weight, mask, bias, _script_pair(stride), _script_pair(padding), _script_pair(dilation)
     )
+
+
+def _script_pair(value: IntPair) -> List[int]:
+    """``value`` as [height, width] inside TorchScript, where check_args (plain Python) is not compiled."""
+    if isinstance(value, int):
+        return [value, value]
+    if isinstance(value, list):
+        return value
+    return [value[0], value[1]]
 
 
 def _deform_conv2d_fake(
@@ -113,6 +128,38 @@ def _no_double_backward(ctx, *grads):
     )
 
 
+def _autocast_kernel(device_type: str):
+    """The op under autocast on ``device_type``, as autocast treats ``conv2d``: float32 (and half) tensors are cast
+    to the autocast dtype, float64 ones are left alone, and the op runs in that dtype (the kernels accumulate in
+    float32). The backward then sees the same dtypes through autograd."""
+
+    def cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+        if t is None or not t.is_floating_point() or t.dtype == torch.float64:
+            return t
+        return t.to(dtype)
+
+    def kernel(input, offset, weight, mask, bias, stride, padding, dilation):
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch.autocast(device_type, enabled=False):
+            return torch.ops.deform_conv.deform_conv2d(
+                cast(input, dtype), cast(offset, dtype), cast(weight, dtype), cast(mask, dtype), cast(bias, dtype),
+                stride, padding, dilation,
+            )
+
+    return kernel
+
+
+# Holds the autocast registrations for as long as the process runs (dropping it would unregister them).
+_autocast_library: Optional[torch.library.Library] = None
+
+
+def _register_autocast() -> None:
+    global _autocast_library
+    _autocast_library = torch.library.Library("deform_conv", "IMPL")
+    for device_type, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
+        _autocast_library.impl("deform_conv2d", _autocast_kernel(device_type), key)
+
+
 def use_compiled_kernels(devices: Set[str]) -> None:
     """Registers the fake kernels and the autograd formula once the library with the schemas ("cpu") is
     loaded, and routes calls on ``devices`` to the compiled kernels."""
@@ -123,4 +170,5 @@ def use_compiled_kernels(devices: Set[str]) -> None:
         torch.library.register_autograd(
             "deform_conv::deform_conv2d_backward", _no_double_backward, setup_context=lambda ctx, inputs, output: None
         )
+        _register_autocast()
     _compiled_devices.update(devices)

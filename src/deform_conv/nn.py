@@ -218,8 +218,10 @@ class ModulatedDeformConv2dPack(_PackBase):
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.conv_offset(x)  # [B, 3 * deform_groups * kh * kw, H_out, W_out]
-        o1, o2, mask = torch.chunk(out, 3, dim=1)
-        offset = torch.cat((o1, o2), dim=1)
+        # mmcv's chunk(3) + cat of the first two thirds, as one slice: no copy, and static channel counts that
+        # ONNX export needs (shape inference loses them through Split + Concat).
+        offset_channels = 2 * self.deform_groups * self.kernel_size[0] * self.kernel_size[1]
+        offset, mask = out[:, :offset_channels], out[:, offset_channels:]
         return deform_conv2d(
             x, offset, self.weight, self.bias, self.stride, self.padding, self.dilation, torch.sigmoid(mask)
         )

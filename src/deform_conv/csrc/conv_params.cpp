@@ -28,7 +28,9 @@ ConvParams make_conv_params(const at::Tensor& input, const at::Tensor& offset, c
               weight.sizes());
   TORCH_CHECK(offset.dim() == 4, "offset must be 4-D [batch, 2 * offset_groups * kernel_h * kernel_w, out_h, out_w], got shape ",
               offset.sizes());
-  TORCH_CHECK(at::isFloatingType(input.scalar_type()), "input must be a floating-point tensor, got ", input.scalar_type());
+  const at::ScalarType dtype = input.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble,
+              "input must be float16, bfloat16, float32 or float64, got ", dtype);
   check_like_input(offset, "offset", input);
   check_like_input(weight, "weight", input);
   check_pair(stride, "stride", 1);

@@ -1,5 +1,6 @@
-// CPU backend: the three sampling passes (sampling_passes.cpp), dispatched over the dtypes, behind the shared
-// chunk-and-GEMM driver; depthwise layers take their own path without GEMMs (depthwise.cpp).
+// CPU backend: the three sampling passes (sampling_passes.cpp), dispatched over float32/float64, behind the shared
+// chunk-and-GEMM driver; depthwise layers take their own path without GEMMs (depthwise.cpp); the half types
+// run through float32.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -46,10 +47,28 @@ void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, in
 // fresh pages (larger buffers are mmap-ed anew on every call, and the page faults cost as much as the sampling).
 constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(8) << 20, /*gemm_as_convolution=*/true};
 
+// float16 and bfloat16 (e.g. under CPU autocast) are computed in float32 -- the kernels accumulate in fp32
+// anyway -- and each result is rounded once to the input's dtype.
+bool is_half_type(const at::Tensor& t) {
+  return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
+}
+at::Tensor widened(const at::Tensor& t) { return t.to(at::kFloat); }
+std::optional<at::Tensor> widened(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? std::optional<at::Tensor>(widened(*t)) : std::nullopt;
+}
+std::optional<at::Tensor> narrowed(const std::optional<at::Tensor>& t, at::ScalarType dtype) {
+  return t.has_value() ? std::optional<at::Tensor>(t->to(dtype)) : std::nullopt;
+}
+
 at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
                    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
                    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation) {
   const ConvParams p = make_conv_params(input, offset, weight, mask, bias, stride, padding, dilation);
+  if (is_half_type(input)) {
+    return forward(widened(input), widened(offset), widened(weight), widened(mask), widened(bias), stride, padding,
+                   dilation)
+        .to(input.scalar_type());
+  }
   if (is_depthwise(p)) return depthwise_forward(p, input, offset, weight, mask, bias);
   return forward_with(kPasses, p, input, offset, weight, mask, bias);
 }
@@ -60,6 +79,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
     bool bias_defined) {
   const ConvParams p = make_conv_params(input, offset, weight, mask, std::nullopt, stride, padding, dilation);
   check_grad_output(p, grad_output, input);
+  if (is_half_type(input)) {
+    const at::ScalarType dtype = input.scalar_type();
+    auto [gi, go, gw, gm, gb] = backward(widened(grad_output), widened(input), widened(offset), widened(weight),
+                                         widened(mask), stride, padding, dilation, bias_defined);
+    return {gi.to(dtype), go.to(dtype), gw.to(dtype), narrowed(gm, dtype), narrowed(gb, dtype)};
+  }
   if (is_depthwise(p)) return depthwise_backward(p, grad_output, input, offset, weight, mask, bias_defined);
   return backward_with(kPasses, p, grad_output, input, offset, weight, mask, bias_defined);
 }
