@@ -30,7 +30,7 @@ step() {
 step environment 60 python -m deform_conv doctor
 step build 300 python -m deform_conv build
 step selfcheck 120 python -m deform_conv check
-step tests 300 python -m pytest -q -rs tests/test_cuda.py tests/test_correctness.py tests/test_errors.py
+step tests 300 python -m pytest -q -rs tests/test_cuda.py tests/test_correctness.py tests/test_errors.py tests/test_nonfinite.py
 step memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/gpu_memcheck_case.py
 step benchmark 300 python -m deform_conv bench --gpu --out "$OUT"
 echo "== done: $([ "$status" -eq 0 ] && echo 'every step passed' || echo 'SOME STEPS FAILED'); results in $OUT"

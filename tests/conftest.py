@@ -99,3 +99,18 @@ def dtype(request) -> torch.dtype:
 
 
 OPS = {"ours": deform_conv.deform_conv2d, "reference": deform_conv.deform_conv2d_reference}
+
+
+def assert_all_close_nonfinite(actual, expected, dtype: torch.dtype, same_nan: bool = True) -> None:
+    """Like assert_all_close where inputs may be non-finite: the same entries are non-finite (NaN, if
+    ``same_nan``, in the same places too) and the finite ones agree to the dtype's tolerance. (With an infinite
+    mask, inf and NaN may trade places between two correct orders of the same multiplications, hence
+    ``same_nan=False`` there.)"""
+    rtol, atol = TOLERANCES[dtype]
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        finite = torch.isfinite(e)
+        assert torch.equal(torch.isfinite(a), finite), f"result {i}: non-finite in different places"
+        if same_nan:
+            assert torch.equal(torch.isnan(a), torch.isnan(e)), f"result {i}: NaN in different places"
+        torch.testing.assert_close(a[finite], e[finite], rtol=rtol, atol=atol, msg=lambda m: f"result {i}: {m}")

@@ -60,13 +60,15 @@ def test_depthwise_with_channels_last_and_strided_inputs():
 
 @pytest.mark.parametrize("groups", [1, 8], ids=["columns", "depthwise"])
 def test_backward_is_bitwise_reproducible(groups):
-    """Same inputs, same threads: the same bits, run after run (no atomics, fixed summation orders). The
-    depthwise path has no GEMM, and its sums do not depend on the number of threads either; the columns path
-    leaves the GEMMs to oneDNN, whose blocking follows the thread count."""
+    """Under torch.use_deterministic_algorithms(True) (which the CPU backward does not refuse) and with the same
+    threads: the same bits, run after run (no atomics, fixed summation orders). The depthwise path has no
+    GEMM, and its sums do not depend on the number of threads either; the columns path leaves the GEMMs to
+    oneDNN, whose blocking follows the thread count."""
     case = make_case(torch.float32, batch=5, in_channels=8, out_channels=8, groups=groups, offset_groups=2,
                      kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1), size=(24, 20))
     threads = torch.get_num_threads()
     counts = (threads, threads, 1) if groups == 8 else (threads, threads)
+    torch.use_deterministic_algorithms(True)
     try:
         runs = []
         for n in counts:
@@ -74,6 +76,7 @@ def test_backward_is_bitwise_reproducible(groups):
             runs.append(output_and_grads(ours, case))
     finally:
         torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(False)
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             assert torch.equal(a, b)

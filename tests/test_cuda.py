@@ -6,7 +6,9 @@ import pytest
 import torch
 import torchvision
 
-from conftest import assert_all_close, make_case, output_and_grads
+from conftest import assert_all_close, assert_all_close_nonfinite, make_case, output_and_grads
+from test_large import SIDE, far_corner_case
+from test_nonfinite import with_special_offsets
 
 import deform_conv
 
@@ -110,3 +112,38 @@ def test_cuda_autocast_casts_like_conv2d(half):
                                           case.dilation, groups=2)
     assert out.dtype == conv.dtype == half
     assert torch.equal(out, case.call(ours, [t.to(half) for t in case.tensors()]))
+
+
+def test_non_finite_offsets_and_masks_match_the_cpu(dtype):
+    case = make_case(dtype)
+    with_special_offsets(case, dtype)
+    case.mask[2, 4, 1, 1] = float("inf")
+    case.mask[0, 2, 2, 2] = float("nan")
+    cpu = output_and_grads(ours, case)
+    assert_all_close_nonfinite(on_cpu(output_and_grads(ours, to_cuda(case))), cpu, dtype, same_nan=False)
+
+
+def test_backward_alerts_under_deterministic_algorithms():
+    """The input gradient sums with float atomics; under torch.use_deterministic_algorithms(True) the backward
+    raises torch's non-determinism error instead of silently varying run to run."""
+    case = to_cuda(make_case(torch.float32))
+    leaves = [t.detach().clone().requires_grad_() for t in case.tensors()]
+    out = case.call(ours, leaves)
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
+            out.sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_input_past_2_to_the_31_elements_forward_and_backward():
+    x, offset, weight = far_corner_case("cuda")
+    x.requires_grad_()
+    out = ours(x, offset, weight, stride=SIDE)
+    expected = 0.5 * (0.75 * 1 + 0.25 * 2) + 0.5 * (0.75 * 3 + 0.25 * 4)
+    assert out.item() == expected
+    out.backward(torch.ones_like(out))
+    corner = x.grad[0, 0, -2:, -2:].cpu()
+    torch.testing.assert_close(corner, torch.tensor([[0.375, 0.125], [0.375, 0.125]]), rtol=0, atol=0)
+    assert x.grad.sum().item() == 1.0

@@ -54,6 +54,8 @@ def _shape(t: Tensor) -> Tuple[int, ...]:
 def _check_tensor(t: object, name: str, dims: int, layout: str) -> None:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     if t.dim() != dims:
         raise ValueError(f"{name} must be a {dims}-D tensor {layout}, got a {t.dim()}-D tensor of shape {_shape(t)}")
 

@@ -4,6 +4,10 @@ Differentiable by autograd, so its gradients are the reference for ours. Semanti
 a sampling point with y <= -1, y >= H, x <= -1 or x >= W gives 0; otherwise each in-image neighbour
 contributes its bilinear weight times its value and out-of-image neighbours contribute nothing. At the
 kinks (integer coordinates, -1 included) the gradient is the one-sided derivative from above.
+
+Non-finite offsets (csrc/sampling.h): a point with a NaN coordinate samples NaN, with NaN derivatives in y and
+x, and reads no pixel; +-inf or huge coordinates are outside (0, derivative 0). The mask multiplies the sample,
+so a non-finite mask propagates as a multiplication does.
 """
 
 from __future__ import annotations
@@ -16,11 +20,29 @@ from torch import Tensor
 from ._checks import IntPair, check_args
 
 
+class _NanPoints(torch.autograd.Function):
+    """0 where a point's coordinates are numbers and NaN where either is NaN, with derivatives in y and x that
+    are NaN there and 0 elsewhere: added to the samples, it makes a NaN point's value and derivatives NaN."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, x: Tensor) -> Tensor:
+        nan = torch.isnan(y) | torch.isnan(x)
+        ctx.save_for_backward(nan)
+        return torch.zeros_like(y).masked_fill(nan, float("nan"))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (nan,) = ctx.saved_tensors
+        derivative = torch.zeros_like(grad).masked_fill(nan, float("nan"))
+        return derivative, derivative
+
+
 def _bilinear(images: Tensor, y: Tensor, x: Tensor) -> Tensor:
     """Samples ``images`` [B, G, C, H, W] at points y, x [B, G, N] -> [B, G, C, N]."""
     batch, groups, channels, height, width = images.shape
     # >= -1 rather than > -1: the value at -1 is 0 either way (the in-image neighbours' weights are 0), but
     # this way the gradient there is the one-sided derivative from above, as in torchvision and our kernels.
+    y_in, x_in = y, x
     inside = (y >= -1) & (y < height) & (x >= -1) & (x < width)
     # Outside (or NaN) points are moved to 0 before the integer conversion; they are masked out below.
     y = torch.where(inside, y, torch.zeros_like(y))
@@ -28,7 +50,7 @@ def _bilinear(images: Tensor, y: Tensor, x: Tensor) -> Tensor:
     y0, x0 = torch.floor(y), torch.floor(x)
     ly, lx = y - y0, x - x0
     flat = images.reshape(batch, groups, channels, height * width)
-    value = torch.zeros(batch, groups, channels, y.shape[-1], dtype=images.dtype, device=images.device)
+    value = _NanPoints.apply(y_in, x_in).unsqueeze(2).expand(batch, groups, channels, y.shape[-1])
     if height * width == 0:
         return value
     for dy, dx, weight in ((0, 0, (1 - ly) * (1 - lx)), (0, 1, (1 - ly) * lx), (1, 0, ly * (1 - lx)), (1, 1, ly * lx)):

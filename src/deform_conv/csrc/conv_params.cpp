@@ -11,7 +11,12 @@ void check_pair(c10::IntArrayRef value, const char* name, int64_t minimum) {
               value);
 }
 
+void check_strided(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.layout() == at::kStrided, name, " must be a dense (strided) tensor, got layout ", t.layout());
+}
+
 void check_like_input(const at::Tensor& t, const char* name, const at::Tensor& input) {
+  check_strided(t, name);
   TORCH_CHECK(t.scalar_type() == input.scalar_type(), name, " must have the input's dtype ", input.scalar_type(),
               ", got ", t.scalar_type());
   TORCH_CHECK(t.device() == input.device(), name, " must be on the input's device ", input.device(), ", got ",
@@ -23,6 +28,7 @@ void check_like_input(const at::Tensor& t, const char* name, const at::Tensor& i
 ConvParams make_conv_params(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias,
                             c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation) {
+  check_strided(input, "input");
   TORCH_CHECK(input.dim() == 4, "input must be 4-D [batch, channels, height, width], got shape ", input.sizes());
   TORCH_CHECK(weight.dim() == 4, "weight must be 4-D [out_channels, in_channels / groups, kernel_h, kernel_w], got shape ",
               weight.sizes());

@@ -10,6 +10,13 @@
 // above, as torchvision's. That holds at y = -1 and x = -1 too: the value there is 0, but moving the point
 // inwards brings row (column) 0 in, so the gradient is not 0. This matters in practice: zero offsets with
 // padding 1 (a freshly initialised layer) put the border taps exactly at -1.
+//
+// Non-finite coordinates (offsets are predicted by a network and may be NaN or infinite):
+//  - NaN (in y or x): the sample is NaN, and so are its derivatives with respect to y and x; it reads no
+//    pixel, so it adds nothing to the input's gradient. The NaN propagates as through any other op.
+//  - +-inf or huge finite: outside the image, so 0, with derivative 0 -- whatever the mask, since the point
+//    does not depend on its coordinates at all (coordinate_grad).
+// The checks below come before any float-to-integer conversion, so no such point ever yields an index.
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -27,6 +34,7 @@ DC_HOST_DEVICE inline double floor_of(double v) { return floor(v); }
 // The in-image neighbours of one sampling point. `T` is the accumulation type (float or double).
 template <typename T>
 struct BilinearSample {
+  bool nan = false;       // the coordinate is NaN (then count is 0)
   int count = 0;          // neighbours inside the image, 0..4
   int64_t pixel[4];       // y * width + x of each neighbour
   T weight[4];            // its bilinear weight
@@ -47,9 +55,12 @@ DC_HOST_DEVICE inline void add_neighbour(BilinearSample<T>& s, int64_t pixel, T 
 template <typename T>
 DC_HOST_DEVICE inline BilinearSample<T> bilinear_sample(T y, T x, int64_t height, int64_t width) {
   BilinearSample<T> s;
-  // Written as a negation so that a NaN coordinate is outside too: it never reaches the
-  // float-to-integer conversion below, which would be undefined behaviour. At y == -1 (x == -1) the
-  // only in-image neighbours have weight 0: the value is 0 and the derivative the one from above.
+  if (y != y || x != x) {  // NaN
+    s.nan = true;
+    return s;
+  }
+  // At y == -1 (x == -1) the only in-image neighbours have weight 0: the value is 0 and the derivative the
+  // one from above.
   if (!(y >= T(-1) && y < T(height) && x >= T(-1) && x < T(width))) return s;
 
   const T y_floor = floor_of(y);
@@ -66,6 +77,21 @@ DC_HOST_DEVICE inline BilinearSample<T> bilinear_sample(T y, T x, int64_t height
   if (bottom && left) add_neighbour(s, (y0 + 1) * width + x0, ly * hx, hx, -ly);
   if (bottom && right) add_neighbour(s, (y0 + 1) * width + x0 + 1, ly * lx, lx, ly);
   return s;
+}
+
+// Where a point's sums (its value, d value / d y, d value / d x) start before its neighbours are added: 0, or
+// NaN for a NaN coordinate, so that all of them come out NaN.
+template <typename T>
+DC_HOST_DEVICE inline T sum_start(const BilinearSample<T>& s) {
+  return s.nan ? T(NAN) : T(0);
+}
+
+// d loss / d y (or x) of a point with mask factor m, given the derivative of the unmasked value: m * grad,
+// except for a point outside the image, whose value does not depend on its coordinates: exactly 0 even where
+// m is infinite or NaN (m * 0 would be NaN).
+template <typename T>
+DC_HOST_DEVICE inline T coordinate_grad(const BilinearSample<T>& s, T m, T grad) {
+  return s.count == 0 && !s.nan ? T(0) : m * grad;
 }
 
 }  // namespace deform_conv

@@ -81,15 +81,15 @@ DC_CPU_DISPATCH void coordinate_and_weight_grads(const ConvParams& p, const Samp
             grad_value += gc[c] * v[c];
             partial_tap[c] += g_out[c] * (v[c] * m);
           }
-          scalar_t dot[4] = {0, 0, 0, 0}, grad_y = 0, grad_x = 0;
+          scalar_t dot[4] = {0, 0, 0, 0}, grad_y = sum_start(s), grad_x = sum_start(s);
           if (s.count > 0) neighbour_dots(s, image + c0, channels, per_group, gc, dot);
           for (int q = 0; q < s.count; ++q) {
             grad_y += s.weight_dy[q] * dot[q];
             grad_x += s.weight_dx[q] * dot[q];
           }
           const int64_t at = points.offset_index(group, tap);
-          grad_offset[at] = m * grad_y;
-          grad_offset[at + pixels] = m * grad_x;
+          grad_offset[at] = coordinate_grad(s, m, grad_y);
+          grad_offset[at + pixels] = coordinate_grad(s, m, grad_x);
           if (grad_mask != nullptr) grad_mask[points.mask_index(group, tap)] = grad_value;
         }
       }

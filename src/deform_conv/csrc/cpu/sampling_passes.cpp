@@ -60,7 +60,7 @@ DC_CPU_DISPATCH void coordinate_rows(const ConvParams& p, const SamplingInputs<s
                          [&](int64_t n_local, int64_t pixel, const RowPoints<scalar_t>& points, int64_t group,
                              int64_t tap, const BilinearSample<scalar_t>& s, const scalar_t* image) {
     // d loss / d value, d y and d x, before the mask's factor.
-    scalar_t grad_value = 0, grad_y = 0, grad_x = 0;
+    scalar_t grad_value = sum_start(s), grad_y = sum_start(s), grad_x = sum_start(s);
     if (s.count > 0) {
       const int64_t c_begin = group * per_offset_group;
       for_each_weight_group_piece(p, c_begin, c_begin + per_offset_group, [&](int64_t g, int64_t c0, int64_t c1) {
@@ -76,8 +76,8 @@ DC_CPU_DISPATCH void coordinate_rows(const ConvParams& p, const SamplingInputs<s
     }
     const scalar_t m = points.mask(group, tap);
     const int64_t at = points.offset_index(group, tap);
-    grad_offset[at] = m * grad_y;
-    grad_offset[at + pixels] = m * grad_x;
+    grad_offset[at] = coordinate_grad(s, m, grad_y);
+    grad_offset[at + pixels] = coordinate_grad(s, m, grad_x);
     if (grad_mask != nullptr) grad_mask[points.mask_index(group, tap)] = grad_value;
   });
 }

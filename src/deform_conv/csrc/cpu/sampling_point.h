@@ -76,7 +76,8 @@ inline void for_each_weight_group_piece(const ConvParams& p, int64_t c_begin, in
   }
 }
 
-// dst[c] = (sum over the in-image neighbours q of weight_q * image[pixel_q * stride + c]) (* m), c < len.
+// dst[c] = (sum over the in-image neighbours q of weight_q * image[pixel_q * stride + c]) (* m), c < len;
+// NaN for a NaN coordinate.
 // The mask multiplies the interpolated value (not the weights), so a non-finite mask propagates exactly as a
 // multiplication would. Four neighbours (the common case) in one pass that the compiler vectorises.
 template <typename scalar_t>
@@ -93,7 +94,7 @@ inline void interpolate(const BilinearSample<scalar_t>& s, const scalar_t* image
     }
     return;
   }
-  std::fill(dst, dst + len, scalar_t(0));
+  std::fill(dst, dst + len, sum_start(s));
   for (int q = 0; q < s.count; ++q) {
     const scalar_t* __restrict__ src = image + s.pixel[q] * stride;
     const scalar_t w = s.weight[q];

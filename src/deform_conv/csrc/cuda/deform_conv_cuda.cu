@@ -91,7 +91,7 @@ __global__ void fill_columns_kernel(ConvParams p, const scalar_t* __restrict__ i
     const index_t n = first + e.n_local;
     const BilinearSample<acc_t> s = sample_point<scalar_t, acc_t, index_t>(p, offset, n, e.pixel, e.group, e.tap);
     const scalar_t* image = input + n * p.height * p.width * p.in_channels + e.channel;
-    acc_t value = 0;
+    acc_t value = sum_start(s);
     for (int q = 0; q < s.count; ++q) value += s.weight[q] * static_cast<acc_t>(image[s.pixel[q] * p.in_channels]);
     // The mask multiplies the interpolated value, so a non-finite mask propagates as a multiplication would.
     if (mask != nullptr) value *= mask_factor<scalar_t, acc_t, index_t>(p, mask, n, e.group, e.tap, e.pixel);
@@ -119,7 +119,7 @@ __global__ void coordinate_grads_kernel(ConvParams p, const scalar_t* __restrict
     const index_t pixel = rest % p.out_pixels(), n_local = rest / p.out_pixels(), n = first + n_local;
     const BilinearSample<acc_t> s = sample_point<scalar_t, acc_t, index_t>(p, offset, n, pixel, group, tap);
     const scalar_t* image = input + n * p.height * p.width * p.in_channels;
-    acc_t grad_value = 0, grad_y = 0, grad_x = 0;
+    acc_t grad_value = sum_start(s), grad_y = sum_start(s), grad_x = sum_start(s);
     for (index_t c = group * per_offset_group + lane; c < (group + 1) * per_offset_group; c += kWarp) {
       const index_t g = c / per_group;
       const index_t column = p.column_index(n_local, pixel, g, tap, c - g * per_group);
@@ -140,8 +140,8 @@ __global__ void coordinate_grads_kernel(ConvParams p, const scalar_t* __restrict
       const acc_t m = mask_factor<scalar_t, acc_t, index_t>(p, mask, n, group, tap, pixel);
       if (mask != nullptr) grad_mask[p.mask_index(n, group, tap, pixel)] = static_cast<scalar_t>(grad_value);
       scalar_t* g_dy = grad_offset + p.offset_index(n, group, tap, pixel);
-      g_dy[0] = static_cast<scalar_t>(m * grad_y);
-      g_dy[p.out_pixels()] = static_cast<scalar_t>(m * grad_x);
+      g_dy[0] = static_cast<scalar_t>(coordinate_grad(s, m, grad_y));
+      g_dy[p.out_pixels()] = static_cast<scalar_t>(coordinate_grad(s, m, grad_x));
     }
   }
 }
