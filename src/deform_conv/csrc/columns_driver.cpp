@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <vector>
@@ -38,6 +39,21 @@ at::Tensor column_buffer(const ConvParams& p, int64_t images, const at::TensorOp
 }
 
 const std::vector<int64_t> kOnes{1, 1}, kZeros{0, 0};
+
+// sum += a x b, where `sum` may be float while a and b are half or bfloat16 (the weight's gradient sums over
+// every image in float). Since torch 2.8 the product itself runs on the half types' tensor cores with a float
+// result; before, the factors are widened first.
+void add_product(at::Tensor sum, const at::Tensor& a, const at::Tensor& b) {
+  if (sum.scalar_type() == a.scalar_type()) {
+    sum.addmm_(a, b);
+    return;
+  }
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  sum.add_(at::mm(a, b, sum.scalar_type()));
+#else
+  sum.addmm_(a.to(sum.scalar_type()), b.to(sum.scalar_type()));
+#endif
+}
 
 }  // namespace
 
@@ -99,7 +115,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
 
   if (p.batch > 0 && p.out_channels > 0) {
     const SamplingTensors tensors(input, offset, mask);
-    const at::Tensor weight_matrix = weight_as_1x1(p, weight).view({p.out_channels, -1}).to(acc_type);
+    const at::Tensor weight_matrix = weight_as_1x1(p, weight).view({p.out_channels, -1});
     const int64_t chunk = images_per_chunk(p, input.element_size(), passes.column_budget_bytes);
     at::Tensor columns = column_buffer(p, std::min(chunk, p.batch), input.options());
     const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
@@ -112,19 +128,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
       // [C_out/G, H_out*W_out] x [H_out*W_out, taps * C_in/G]; then, as the columns are no longer needed, their
       // gradient overwrites them, [H_out*W_out, C_out/G] x [C_out/G, taps * C_in/G].
       for (int64_t n = 0; n < images; ++n) {
-        const at::Tensor grad_out_n = grad_output[first + n].reshape({p.out_channels, p.out_pixels()}).to(acc_type);
+        const at::Tensor grad_out_n = grad_output[first + n].reshape({p.out_channels, p.out_pixels()});
         at::Tensor columns_n = chunk_columns[n].permute({1, 2, 0}).view({p.out_pixels(), p.groups * per_group});
         for (int64_t g = 0; g < p.groups; ++g) {
           const at::Tensor grad_out_g = grad_out_n.narrow(0, g * out_per_group, out_per_group);
           at::Tensor columns_g = columns_n.narrow(1, g * per_group, per_group);
-          grad_weights.view({p.out_channels, -1}).narrow(0, g * out_per_group, out_per_group)
-              .addmm_(grad_out_g, columns_g.to(acc_type));
-          const at::Tensor weight_g = weight_matrix.narrow(0, g * out_per_group, out_per_group);
-          if (acc_type == input.scalar_type()) {
-            at::mm_out(columns_g, grad_out_g.t(), weight_g);
-          } else {
-            columns_g.copy_(at::mm(grad_out_g.t(), weight_g));  // half types: the product in float, then rounded
-          }
+          add_product(grad_weights.view({p.out_channels, -1}).narrow(0, g * out_per_group, out_per_group),
+                      grad_out_g, columns_g);
+          // Half types: cuBLAS multiplies on the tensor cores and accumulates in float, then rounds once.
+          at::mm_out(columns_g, grad_out_g.t(), weight_matrix.narrow(0, g * out_per_group, out_per_group));
         }
       }
       passes.coordinate_and_mask_grads(p, tensors, first, images, chunk_columns, grad_offset, grad_mask);
