@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -64,7 +65,7 @@ def test_entry_records_its_key_inputs_readably():
     entry = deform_conv.libraries[0].entry
     key = _build.read_key(entry)
     assert key is not None
-    assert key["environment"] == _build.environment_inputs(_build.Variant("cpu"))
+    assert key["environment"] == _build.environment_inputs(deform_conv.libraries[0].variant)
     assert key["toolchain"]["cxx"] == _toolchain.identify(_toolchain.find_cxx(), None)
     assert (entry / key["library"]).is_file() and (entry / "build.log").is_file()
 
@@ -128,6 +129,44 @@ def test_cuda_library_selection(monkeypatch):
     assert _build.requested_cuda_archs("9.0") == ("9.0",)  # an explicit --cuda-arch still builds
     monkeypatch.setattr(torch.version, "cuda", None)
     assert _build.requested_cuda_archs("9.0") == ()
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("", ()), ("0", ()), ("1", ("address", "undefined")), ("undefined", ("undefined",)),
+    (" undefined,address", ("address", "undefined")),
+])
+def test_sanitize_setting(monkeypatch, value, expected):
+    monkeypatch.setenv("DEFORM_CONV_SANITIZE", value)
+    assert _build.cpu_variant().sanitize == expected
+
+
+def test_sanitize_setting_rejects_unknown_names(monkeypatch):
+    monkeypatch.setenv("DEFORM_CONV_SANITIZE", "adress")
+    with pytest.raises(_build.BuildError, match=r"DEFORM_CONV_SANITIZE must be 0, 1 or a comma-separated list of "
+                                                 r"address, undefined, got 'adress'"):
+        _build.wanted_variants()
+
+
+def test_sanitized_library_has_an_entry_of_its_own():
+    plain, sanitized = _build.Variant("cpu"), _build.Variant("cpu", sanitize=("address", "undefined"))
+    assert sanitized.cxx_flags[-5:] == ("-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                                        "-fno-omit-frame-pointer", "-g", "-O1")
+    assert "-O3" not in sanitized.cxx_flags and sanitized.ld_flags[-1] == "-fsanitize=address,undefined"
+    tools = {"cxx": "c++ (Debian 12.2.0) 12.2.0"}
+    plain_name = _build.entry_name(plain, _build.environment_inputs(plain), tools)
+    sanitized_name = _build.entry_name(sanitized, _build.environment_inputs(sanitized), tools)
+    assert plain_name.startswith("cpu-torch") and sanitized_name.startswith("cpu-sanitize_address_undefined-torch")
+    assert "sanitize" not in _build.environment_inputs(plain)  # plain keys, and their entries, stay as they were
+
+
+def test_asan_build_without_the_preloaded_runtime_is_refused_before_compiling(monkeypatch, tmp_path):
+    if "libasan" in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip("this process has the ASan runtime (scripts/sanitize-tests)")
+    monkeypatch.setenv("DEFORM_CONV_SANITIZE", "1")
+    remedy = r'LD_PRELOAD="\$\(\S+ -print-file-name=libasan.so\) \$\(\S+ -print-file-name=libstdc\+\+.so\)"'
+    with pytest.raises(_build.BuildError, match=r"(?s)AddressSanitizer runtime preloaded.*Remedy: run with " + remedy):
+        _build.build(_build.cpu_variant(), tmp_path)
+    assert not (tmp_path / "logs").exists()  # nothing compiled
 
 
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks the machine without a GPU")

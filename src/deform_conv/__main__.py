@@ -111,7 +111,7 @@ def build(cuda_arch: Optional[str], cpu_only: bool) -> int:
         print(f"deform-conv: --cuda-arch needs a CUDA build of torch; torch {torch.__version__} has no CUDA",
               file=sys.stderr)
         return 2
-    variants = [_build.Variant("cpu")]
+    variants = [_build.cpu_variant()]
     archs = () if cpu_only else _build.requested_cuda_archs(cuda_arch)
     if archs:
         variants.append(_build.Variant("cuda", archs))

@@ -14,6 +14,12 @@ Cache layout under :func:`cache_root`::
 Warm path: a stat of the compiler, a hash check of the library, ``torch.ops.load_library``; no compiler,
 ninja or cpp_extension. Build path: lock, re-check, compile in a private directory (in a child process, so
 the parent loads only the published library), write key.json last, rename into place.
+
+Sanitizer mode, for tests: ``DEFORM_CONV_SANITIZE=1`` (= ``address,undefined``, or a list of those) builds the
+CPU library with ``-fsanitize=...`` at ``-O1 -g`` into an entry of its own (tag ``cpu-sanitize_...``, sanitize
+in the key), so a plain import never loads it and vice versa. The CUDA library is never instrumented. An ASan
+library loads only into a process started with the ASan runtime preloaded (:func:`check_sanitizer_runtime`
+says how; scripts/sanitize-tests does it).
 """
 
 from __future__ import annotations
@@ -53,21 +59,35 @@ class Variant:
 
     kind: str                          # "cpu" or "cuda"
     cuda_archs: Tuple[str, ...] = ()   # TORCH_CUDA_ARCH_LIST entries, e.g. ("8.0", "9.0+PTX")
+    sanitize: Tuple[str, ...] = ()     # CPU only: -fsanitize= names from $DEFORM_CONV_SANITIZE, e.g. ("address",)
 
     @property
     def sources(self) -> Tuple[str, ...]:
         return _sources.CPU_SOURCES if self.kind == "cpu" else _sources.CUDA_SOURCES
 
     @property
+    def cxx_flags(self) -> Tuple[str, ...]:
+        """The one place flags are chosen (the key records what this returns). Sanitized: -O1 instead of -O3,
+        as ASan's docs advise: usable speed, with reports whose frames and lines match the source."""
+        if not self.sanitize:
+            return _sources.CXX_FLAGS
+        plain = tuple(f for f in _sources.CXX_FLAGS if not f.startswith("-O"))
+        return plain + ("-fsanitize=" + ",".join(self.sanitize),) + _sources.SANITIZE_CXX_FLAGS
+
+    @property
+    def ld_flags(self) -> Tuple[str, ...]:
+        return _sources.LD_FLAGS + (("-fsanitize=" + ",".join(self.sanitize),) if self.sanitize else ())
+
+    @property
     def label(self) -> str:
         if self.kind == "cpu":
-            return "CPU kernels"
+            return "CPU kernels" + (f" (-fsanitize={','.join(self.sanitize)})" if self.sanitize else "")
         return "CUDA kernels for " + ", ".join("sm_" + a.replace(".", "") for a in self.cuda_archs)
 
     @property
     def tag(self) -> str:
         if self.kind == "cpu":
-            return "cpu"
+            return "cpu" + ("-sanitize_" + "_".join(self.sanitize) if self.sanitize else "")
         return "cuda-" + "_".join("sm" + a.replace(".", "").replace("+PTX", "ptx") for a in self.cuda_archs)
 
 
@@ -119,8 +139,8 @@ def environment_inputs(variant: Variant) -> Dict[str, object]:
         "variant": variant.kind,
         "package_version": __version__,
         "sources_sha256": sources_sha256(),
-        "cxx_flags": list(_sources.CXX_FLAGS),
-        "ld_flags": list(_sources.LD_FLAGS),
+        "cxx_flags": list(variant.cxx_flags),
+        "ld_flags": list(variant.ld_flags),
         "torch_version": torch.__version__,
         "torch_cxx11_abi": torch.compiled_with_cxx11_abi(),
         "torch_cuda": torch.version.cuda,
@@ -129,6 +149,8 @@ def environment_inputs(variant: Variant) -> Dict[str, object]:
     if variant.kind == "cuda":
         inputs["nvcc_flags"] = list(_sources.NVCC_FLAGS)
         inputs["cuda_archs"] = list(variant.cuda_archs)
+    if variant.sanitize:  # only when set: the key of a plain build (and its existing entries) stays as it was
+        inputs["sanitize"] = list(variant.sanitize)
     return inputs
 
 
@@ -191,6 +213,7 @@ def read_key(directory: Path, key_file: str = KEY_FILE) -> Optional[dict]:
 
 
 def _load(variant: Variant, directory: Path, key: dict, build_seconds: Optional[float] = None) -> LoadedLibrary:
+    check_sanitizer_runtime(variant)
     library = directory / key["library"]
     timer = Elapsed("loading", quiet=True)
     try:
@@ -277,10 +300,57 @@ def requested_cuda_archs(explicit: Optional[str] = None) -> Tuple[str, ...]:
     return tuple(sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(count)}))
 
 
+SANITIZERS = ("address", "undefined")  # what DEFORM_CONV_SANITIZE=1 means, and all it accepts
+
+
+def requested_sanitizers() -> Tuple[str, ...]:
+    """$DEFORM_CONV_SANITIZE as sorted -fsanitize= names: unset, empty or 0 is none, 1 is both of SANITIZERS."""
+    spec = os.environ.get("DEFORM_CONV_SANITIZE", "").strip()
+    if spec in ("", "0"):
+        return ()
+    if spec == "1":
+        return SANITIZERS
+    names = tuple(sorted({n.strip() for n in spec.split(",") if n.strip()}))
+    if not names or any(n not in SANITIZERS for n in names):
+        raise BuildError(f"DEFORM_CONV_SANITIZE must be 0, 1 or a comma-separated list of {', '.join(SANITIZERS)}, "
+                         f"got {spec!r}")
+    return names
+
+
+def cpu_variant() -> Variant:
+    return Variant("cpu", sanitize=requested_sanitizers())
+
+
+def check_sanitizer_runtime(variant: Variant) -> None:
+    """Raises BuildError with the remedy when ``variant`` is built with ASan and this process was not started
+    with ASan's runtime and libstdc++ preloaded. Without libasan, the library would load it as a dependency, too
+    late: the runtime aborts with "ASan runtime does not come first in initial library list". Without libstdc++
+    at start-up (python does not link it), ASan's __cxa_throw interceptor finds no real one, and the first C++
+    exception aborts with "CHECK failed: asan_interceptors.cpp ... real___cxa_throw". (UBSan's runtime loads
+    fine as a dependency.)"""
+    if "address" not in variant.sanitize:
+        return
+    import ctypes
+
+    asan = hasattr(ctypes.CDLL(None), "__asan_init")  # preloaded: its symbols are in the global scope
+    if asan and "libstdc++" in os.environ.get("LD_PRELOAD", ""):
+        return
+    cxx = _toolchain.cxx_name()
+    missing = "libstdc++ preloaded with it" if asan else "the AddressSanitizer runtime preloaded"
+    raise BuildError(
+        f"DEFORM_CONV_SANITIZE={os.environ.get('DEFORM_CONV_SANITIZE', '')} asks for the {variant.label}, which need "
+        f"python started with {missing}.\n"
+        f'Remedy: run with LD_PRELOAD="$({cxx} -print-file-name=libasan.so) $({cxx} -print-file-name=libstdc++.so)" '
+        "ASAN_OPTIONS=detect_leaks=0 (python itself leaks by design), as scripts/sanitize-tests does; or unset "
+        "DEFORM_CONV_SANITIZE."
+    )
+
+
 def wanted_variants() -> Tuple[Variant, ...]:
-    """The CPU library, then the CUDA library when :func:`requested_cuda_archs` asks for one."""
+    """The CPU library (instrumented if $DEFORM_CONV_SANITIZE says so), then the CUDA library when
+    :func:`requested_cuda_archs` asks for one."""
     archs = requested_cuda_archs()
-    return (Variant("cpu"),) + ((Variant("cuda", archs),) if archs else ())
+    return (cpu_variant(),) + ((Variant("cuda", archs),) if archs else ())
 
 
 # ----------------------------------------------------------------------------------------------- build path
@@ -300,6 +370,7 @@ except Exception as exc:
 
 def check_prerequisites(variant: Variant) -> None:
     """Raises BuildError with a remedy for each tool a build needs and does not find, before compiling."""
+    check_sanitizer_runtime(variant)  # the build's child process loads what it built
     if _toolchain.find_cxx() is None:
         raise BuildError(
             f"no C++ compiler found (looked for {_toolchain.cxx_name()!r} on PATH) to build deform_conv's "
@@ -355,8 +426,8 @@ def _compile(variant: Variant, name: str, directory: Path, log_path: Path) -> No
     args = dict(
         name=name,
         sources=[str(CSRC / s) for s in variant.sources],
-        extra_cflags=list(_sources.CXX_FLAGS),
-        extra_ldflags=list(_sources.LD_FLAGS),
+        extra_cflags=list(variant.cxx_flags),
+        extra_ldflags=list(variant.ld_flags),
         build_directory=str(directory),
         is_python_module=False,
         verbose=True,  # ninja's output goes to the log either way

@@ -38,6 +38,13 @@ def doctor() -> int:
     print(f"  torch        {torch.__version__} (C++11 ABI {torch.compiled_with_cxx11_abi()}, "
           f"CUDA build: {torch.version.cuda or 'no'})")
     root = _build.cache_root()
+    cpu = _build.cpu_variant()  # a bad DEFORM_CONV_SANITIZE raises BuildError here: the CLI prints it
+    print(f"  sanitize     {'-fsanitize=' + ','.join(cpu.sanitize) + ' (CPU library only)' if cpu.sanitize else 'off'}"
+          " (DEFORM_CONV_SANITIZE)")
+    try:
+        _build.check_sanitizer_runtime(cpu)
+    except _build.BuildError as error:
+        problems.append(str(error).replace("\n", " "))
 
     cxx = _toolchain.find_cxx()
     if cxx:

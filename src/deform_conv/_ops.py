@@ -1,4 +1,4 @@
-"""The Python face of the op: the public function, the fake kernels and the autograd formula.
+"""The Python face of the op: the public function, the fake kernels, the autograd formula and the autocast rule.
 
 Both ops are defined by the C++ library (csrc/ops.cpp); :func:`use_compiled_kernels` registers the Python
 parts once it is loaded. Devices without compiled kernels (only with DEFORM_CONV_FALLBACK=reference) run the
@@ -39,6 +39,9 @@ def deform_conv2d(
         bias: ``[C_out]`` or None.
         stride, padding, dilation: an int or a (height, width) pair.
         mask: ``[B, offset_groups * kh * kw, H_out, W_out]`` modulation (DCNv2) or None.
+
+    All tensors float16, bfloat16, float32 or float64 (one dtype), on one device. A sampling point with a NaN
+    coordinate samples NaN; one at +-inf or beyond the image samples 0 (see README, "Non-finite offsets").
 
     Returns:
         ``[B, C_out, H_out, W_out]``, with ``H_out = (H + 2 * pad_h - dil_h * (kh - 1) - 1) // stride_h + 1``

@@ -17,7 +17,14 @@ CUDA_SOURCES = ("conv_params.cpp", "columns_driver.cpp", "cuda/deform_conv_cuda.
 # the libgomp.so.1 it links resolves to the one torch has already loaded.
 # --as-needed drops the libraries cpp_extension always lists but the library does not use (libtorch_python
 # among them, which would tie it to one Python version).
-CXX_FLAGS = ("-O3", "-fopenmp")
+# -ffp-contract=off: no multiply-add is fused behind our back. GCC otherwise fuses in some of the code paths it
+# generates for one loop (vector body, remainder, the copy taken when pointers may overlap) and not in others,
+# so which path runs -- decided by where the heap put a buffer -- changed the last bit of a result from one call
+# to the next.
+CXX_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 LD_FLAGS = ("-fopenmp", "-Wl,--as-needed")
 # No --use_fast_math: it changes results (division, denormals) and NaN handling.
 NVCC_FLAGS = ("-O3", "-lineinfo")
+# DEFORM_CONV_SANITIZE (CPU library only, after -fsanitize=...; -O1 replaces -O3): stop at the first report so
+# that a test run fails, and keep frames and line numbers in the reports.
+SANITIZE_CXX_FLAGS = ("-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g", "-O1")
