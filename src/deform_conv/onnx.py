@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+from torch.onnx import symbolic_helper
 
 import deform_conv  # noqa: F401  (defines the op)
 
@@ -66,11 +67,8 @@ def _is_none(value: torch._C.Value) -> bool:
     return value.node().mustBeNone()
 
 
+@symbolic_helper.parse_args("v", "v", "v", "v", "v", "is", "is", "is")
 def _torchscript_symbolic(g, input, offset, weight, mask, bias, stride, padding, dilation):
-    from torch.onnx import symbolic_helper
-
-    stride, padding, dilation = (symbolic_helper._get_const(v, "is", name) for v, name in
-                                 ((stride, "stride"), (padding, "padding"), (dilation, "dilation")))
     attributes = _attributes(_static_sizes(weight), _static_sizes(input)[1], _static_sizes(offset)[1],
                              stride, padding, dilation)
     inputs = [input, weight, offset]
