@@ -13,10 +13,12 @@ namespace cpu {
 
 // The passes' loops over a range of rows or tasks are compiled three times, for baseline x86-64, AVX2 and
 // AVX-512, and the dynamic loader picks the best for the CPU it runs on (an ifunc): the library stays one
-// portable binary (a prebuilt cache entry may be copied to another machine) yet uses wide vectors. The inline
-// helpers below are inlined into each copy and compiled for its instruction set.
+// portable binary (a prebuilt cache entry may be copied to another machine) yet uses wide vectors. `flatten`
+// inlines every call in each copy (the helpers below, and the lambdas they take), so the inner loops are
+// compiled for that copy's instruction set: without it the compiler may keep a helper out of line, compiled
+// once for baseline x86-64, and the wide copies would only wrap it.
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-#define DC_CPU_DISPATCH __attribute__((target_clones("default", "avx2", "avx512f")))
+#define DC_CPU_DISPATCH __attribute__((target_clones("default", "avx2", "avx512f"), flatten))
 #else
 #define DC_CPU_DISPATCH
 #endif
@@ -67,6 +69,10 @@ struct RowPoints {
 // columns.
 template <typename F>
 inline void for_each_weight_group_piece(const ConvParams& p, int64_t c_begin, int64_t c_end, F&& f) {
+  if (p.groups == 1) {  // the common case, without the division below (this runs once per sampling point)
+    f(0, c_begin, c_end);
+    return;
+  }
   const int64_t per_group = p.in_channels_per_group();
   for (int64_t c = c_begin; c < c_end;) {
     const int64_t g = c / per_group;
