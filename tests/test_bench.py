@@ -1,11 +1,12 @@
 """A smoke run of the CPU benchmark suite (tiny shapes, seconds) so that it cannot rot; the full run is
-`python benchmarks/cpu_speed.py --extra`, not a test."""
+`python benchmarks/cpu_speed.py --extra`, not a test. Likewise the GPU check's memcheck case, run on the CPU."""
 
 from __future__ import annotations
 
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 from deform_conv import _bench
 
@@ -29,3 +30,21 @@ def test_bench_command_writes_the_table(tmp_path):
     table = (tmp_path / "cpu.md").read_text()
     assert "| case | config | fwd ms: ours |" in table
     assert "| T1 |" in table and "| T2 |" in table and "torch " in table
+
+
+def test_interleaved_medians_call_each_at_least_three_times_in_turns():
+    order = []
+    medians = _bench.interleaved_medians({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+                                         min_seconds=0.0)
+    assert set(medians) == {"a", "b"} and all(m >= 0 for m in medians.values())
+    assert order.count("a") == order.count("b") >= 4  # a warm-up and at least three timed calls each
+    # In turns, not one after the other: "b" is called again before "a"'s last call.
+    last_a = len(order) - 1 - order[::-1].index("a")
+    assert "b" in order[order.index("b") + 1:last_a]
+
+
+def test_gpu_memcheck_case_runs_on_the_cpu():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_memcheck_case.py"
+    result = subprocess.run([sys.executable, str(script), "cpu"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "memcheck case ran on cpu" in result.stdout

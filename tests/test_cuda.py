@@ -46,19 +46,25 @@ def test_awkward_geometry_matches_cpu_and_torchvision(dtype, with_mask, with_bia
 def test_gradcheck_cuda():
     case = to_cuda(make_case(torch.float64, batch=2, size=(7, 6)))
     tensors = [t.detach().clone().requires_grad_() for t in case.tensors()]
-    assert torch.autograd.gradcheck(lambda *t: case.call(ours, list(t)), tensors, eps=1e-6, atol=1e-5, rtol=1e-4)
+    # The input gradient sums with atomics in no fixed order: the two backward passes gradcheck compares may
+    # differ in the last bits.
+    assert torch.autograd.gradcheck(lambda *t: case.call(ours, list(t)), tensors, eps=1e-6, atol=1e-5, rtol=1e-4,
+                                    nondet_tol=1e-12)
 
 
-# Half types against float32 on the same inputs: the rounding of inputs and outputs to 8 (bf16) or 11 (fp16)
-# significant bits, with float32 accumulation inside.
+# Half types against float32 on the same (rounded) inputs: the reference must see the rounded offsets too, as
+# rounding may move a sampling point across an integer coordinate, a kink of the bilinear interpolant, where the
+# offset's gradient jumps. What is left is the rounding of the columns and of the results to 8 (bf16) or 11
+# (fp16) significant bits, with float32 accumulation inside.
 HALF_TOLERANCES = {torch.float16: (2e-2, 2e-2), torch.bfloat16: (1e-1, 1e-1)}
 
 
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_half_types_against_float32(half):
-    case = to_cuda(make_case(torch.float32, batch=4, in_channels=16, out_channels=8, size=(20, 18), offset_scale=1.0))
-    reference = output_and_grads(ours, case)
+    case = to_cuda(make_case(torch.float32, batch=4, in_channels=16, out_channels=8, size=(20, 18), offset_groups=2,
+                             offset_scale=1.0))
     halves = [t.to(half) for t in case.tensors()]
+    reference = output_and_grads(ours, case, [t.float() for t in halves])
     results = output_and_grads(ours, case, halves)
     rtol, atol = HALF_TOLERANCES[half]
     for name, got, want in zip(["output", "input", "offset", "weight", "bias", "mask"], results, reference):
@@ -84,10 +90,9 @@ def test_runs_on_the_current_non_default_stream():
         results = output_and_grads(ours, case)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    # The input gradient sums with atomics in no fixed order; everything else is bitwise the same.
-    torch.testing.assert_close(results[1], expected[1], rtol=1e-5, atol=1e-5)
-    for got, want in zip(results[:1] + results[2:], expected[:1] + expected[2:]):
-        assert torch.equal(got, want)
+    # The input gradient sums with atomics in no fixed order; cuBLAS promises the same bits only within one
+    # stream, so the rest may differ in the last bits too.
+    assert_all_close(results, expected, torch.float32)
 
 
 @pytest.mark.parametrize("name", ["offset", "weight", "mask", "bias"])

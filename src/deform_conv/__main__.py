@@ -30,7 +30,7 @@ def _median_ms(fn: Callable[[], object], repeats: int = 7) -> float:
     return 1e3 * statistics.median(times)
 
 
-def _case(dtype: torch.dtype, batch: int = 3):
+def _case(dtype: torch.dtype, device: str, batch: int = 3):
     """Awkward geometry: kernel 3x2, stride (2, 1), padding (1, 0), dilation (2, 1), 2 groups, 3 offset groups."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 6, 13, 8, dtype=dtype, generator=g)
@@ -38,12 +38,13 @@ def _case(dtype: torch.dtype, batch: int = 3):
     offset = 2 * torch.randn(batch, 2 * 3 * 6, 6, 7, dtype=dtype, generator=g)
     mask = torch.rand(batch, 3 * 6, 6, 7, dtype=dtype, generator=g)
     bias = torch.randn(4, dtype=dtype, generator=g)
+    x, offset, weight, mask, bias = (t.to(device) for t in (x, offset, weight, mask, bias))
     return (x, offset, weight, bias, (2, 1), (1, 0), (2, 1), mask)
 
 
-def _max_errors(dtype: torch.dtype) -> List[float]:
+def _max_errors(dtype: torch.dtype, device: str) -> List[float]:
     """Largest absolute difference from the reference of the output and of the five gradients."""
-    args = _case(dtype)
+    args = _case(dtype, device)
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     results = []
     for fn in (deform_conv.deform_conv2d, deform_conv.deform_conv2d_reference):
@@ -76,13 +77,17 @@ def check() -> int:
     tolerances = {torch.float64: 1e-10, torch.float32: 1e-4}
     ok = True
     names = ("output", "grad_input", "grad_offset", "grad_weight", "grad_bias", "grad_mask")
-    for dtype, tol in tolerances.items():
-        errors = _max_errors(dtype)
-        worst = max(errors)
-        passed = worst <= tol
-        ok &= passed
-        detail = ", ".join(f"{n} {e:.1e}" for n, e in zip(names, errors))
-        print(f"  {str(dtype):14s} {'PASS' if passed else 'FAIL'} vs reference (max |diff| <= {tol:.0e}): {detail}")
+    # The CUDA kernels too, where their library is loaded and a GPU is visible.
+    devices = ["cpu"] + (["cuda"] if "cuda" in {lib.variant.kind for lib in deform_conv.libraries} and gpus else [])
+    for device in devices:
+        for dtype, tol in tolerances.items():
+            errors = _max_errors(dtype, device)
+            worst = max(errors)
+            passed = worst <= tol
+            ok &= passed
+            detail = ", ".join(f"{n} {e:.1e}" for n, e in zip(names, errors))
+            print(f"  {device:4s} {str(dtype):14s} {'PASS' if passed else 'FAIL'} vs reference "
+                  f"(max |diff| <= {tol:.0e}): {detail}")
 
     x = torch.randn(4, 64, 32, 32)
     weight = torch.randn(64, 64, 3, 3)

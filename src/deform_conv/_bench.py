@@ -4,8 +4,11 @@ For each case: forward and forward+backward time of ours, of torchvision's defor
 same shape (the floor), the ratios, and the peak memory of ours and torchvision's during a forward+backward
 (measured in a child process each: the rise of the resident set's high-water mark over what the inputs occupy,
 with malloc made to return freed blocks at once so that the resident set follows the live memory). onnxruntime's DeformConv
-runs as a forward-only peer where it is installed. Timing: one warm-up call, then calls until at least
-``min_seconds`` have passed (at least 3, at most 50), median reported; threads = all cores.
+runs as a forward-only peer where it is installed. Timing: one warm-up call each, then the implementations
+take turns, one call each per round, so that all of them meet the same machine (a shared machine's load drifts
+within seconds, and measured one after the other the ratios would measure the drift); each is called until at
+least ``min_seconds`` of its calls have passed (at least 3, at most 50 calls) and its median is reported;
+threads = all cores.
 """
 
 from __future__ import annotations
@@ -115,27 +118,37 @@ IMPLEMENTATIONS: Dict[str, Callable[[Case, Dict[str, torch.Tensor]], torch.Tenso
 }
 
 
-def _median_seconds(fn: Callable[[], object], min_seconds: float) -> float:
+def interleaved_medians(calls: Dict[str, Callable[[], object]], min_seconds: float) -> Dict[str, float]:
+    """Median seconds of each call, the calls taking turns (see the module's docstring)."""
     from torch.utils.benchmark import Timer
 
-    fn()  # warm-up
-    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    times: List[float] = []
-    start = time.perf_counter()
-    while len(times) < 3 or (time.perf_counter() - start < min_seconds and len(times) < 50):
-        times.append(timer.timeit(1).median)
-    return statistics.median(times)
+    timers = {}
+    for name, fn in calls.items():
+        fn()  # warm-up
+        timers[name] = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    times: Dict[str, List[float]] = {name: [] for name in calls}
+
+    def wants_more(name: str) -> bool:
+        done = times[name]
+        return len(done) < 3 or (sum(done) < min_seconds and len(done) < 50)
+
+    while any(wants_more(name) for name in calls):
+        for name, timer in timers.items():
+            if wants_more(name):
+                times[name].append(timer.timeit(1).median)
+    return {name: statistics.median(done) for name, done in times.items()}
 
 
-def time_case(case: Case, impl: str, backward: bool, min_seconds: float, device: str = "cpu",
-              dtype: torch.dtype = torch.float32) -> float:
+def make_call(case: Case, impl: str, backward: bool, device: str = "cpu",
+              dtype: torch.dtype = torch.float32) -> Callable[[], None]:
+    """One forward (under no_grad), or one forward+backward, of `impl` on fresh inputs of `case`."""
     tensors = make_inputs(case, device=device, dtype=dtype)
     fn = IMPLEMENTATIONS[impl]
     if not backward:
         def call() -> None:
             with torch.no_grad():
                 fn(case, tensors)
-        return _median_seconds(call, min_seconds)
+        return call
     leaves = {k: (v.requires_grad_() if v is not None and (impl != "conv2d" or k in ("x", "weight")) else v)
               for k, v in tensors.items()}
     grad_output = torch.randn_like(fn(case, leaves))
@@ -145,7 +158,7 @@ def time_case(case: Case, impl: str, backward: bool, min_seconds: float, device:
         for v in leaves.values():
             if v is not None:
                 v.grad = None
-    return _median_seconds(call_backward, min_seconds)
+    return call_backward
 
 
 _PEAK_CHILD = """
@@ -187,8 +200,8 @@ def peak_memory_mib(case: Case, impl: str) -> Optional[float]:
     return float(child.stdout.strip().splitlines()[-1])
 
 
-def onnxruntime_forward(case: Case, min_seconds: float) -> Optional[float]:
-    """onnxruntime's DeformConv (opset 19) forward, or None where onnxruntime (or its kernel) is missing."""
+def onnxruntime_call(case: Case) -> Optional[Callable[[], object]]:
+    """A forward of onnxruntime's DeformConv (opset 19), or None where onnxruntime (or its kernel) is missing."""
     try:
         import onnx
         import onnxruntime
@@ -212,7 +225,7 @@ def onnxruntime_forward(case: Case, min_seconds: float) -> Optional[float]:
     except Exception:  # no DeformConv kernel in this onnxruntime
         return None
     feeds = {n: t[n].numpy() for n in names if n}
-    return _median_seconds(lambda: session.run(None, feeds), min_seconds)
+    return lambda: session.run(None, feeds)
 
 
 def environment() -> str:
@@ -243,10 +256,13 @@ def run(cases: Sequence[Case], min_seconds: float = 1.0, memory: bool = True, on
     rows = []
     for case in cases:
         row: Dict[str, object] = {"case": case.name, "config": case.describe()}
-        for impl in IMPLEMENTATIONS:
-            row[f"{impl}_fwd"] = time_case(case, impl, backward=False, min_seconds=min_seconds)
-            row[f"{impl}_fwdbwd"] = time_case(case, impl, backward=True, min_seconds=min_seconds)
-        row["onnxruntime_fwd"] = onnxruntime_forward(case, min_seconds) if onnx else None
+        calls = {f"{impl}_{phase}": make_call(case, impl, backward)
+                 for impl in IMPLEMENTATIONS for phase, backward in (("fwd", False), ("fwdbwd", True))}
+        onnxruntime = onnxruntime_call(case) if onnx else None
+        if onnxruntime is not None:
+            calls["onnxruntime_fwd"] = onnxruntime
+        row.update(interleaved_medians(calls, min_seconds))
+        row.setdefault("onnxruntime_fwd", None)
         for impl in ("ours", "torchvision"):
             row[f"{impl}_peak_mib"] = peak_memory_mib(case, impl) if memory else None
         rows.append(row)
@@ -339,10 +355,9 @@ def run_gpu(cases: Sequence[Case], min_seconds: float) -> List[str]:
     lines = []
     for case in cases:
         for dtype, tv_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float16)):
-            t = {}
-            for impl, d in (("ours", dtype), ("torchvision", tv_dtype), ("conv2d", dtype)):
-                for phase, backward in (("fwd", False), ("fwdbwd", True)):
-                    t[f"{impl}_{phase}"] = time_case(case, impl, backward, min_seconds, "cuda", d)
+            t = interleaved_medians({f"{impl}_{phase}": make_call(case, impl, backward, "cuda", d)
+                                     for impl, d in (("ours", dtype), ("torchvision", tv_dtype), ("conv2d", dtype))
+                                     for phase, backward in (("fwd", False), ("fwdbwd", True))}, min_seconds)
             peak = (gpu_peak_mib(case, "ours", dtype), gpu_peak_mib(case, "torchvision", tv_dtype))
             name = str(dtype).replace("torch.", "")
             line = (

@@ -30,9 +30,11 @@ int64_t blocks_for(int64_t work, int64_t per_block) {
   return std::max<int64_t>(1, std::min<int64_t>((work + per_block - 1) / per_block, int64_t(1) << 20));
 }
 
-// 32-bit index arithmetic is faster; it is used only when every flat index of every tensor the kernels touch
-// (the columns of one chunk, the input, the offset and the input gradient) stays below 2^30: the grid-stride
-// loops step by at most 2^28 (2^20 blocks of 256 threads), so index + step cannot overflow int32 either.
+// The kernels' loop counters and the divisions that split a flat work index into its parts (the costly part of
+// the index arithmetic) run in 32 bits when every flat index of every tensor the kernels touch (the columns of
+// one chunk, the input, the offset and the input gradient) stays below 2^30: the grid-stride loops step by at
+// most 2^28 (2^20 blocks of 256 threads), so index + step cannot overflow int32 either. Addresses are computed
+// in 64 bits either way (ConvParams' helpers return int64_t).
 bool fits_int32(const ConvParams& p, int64_t images) {
   const int64_t limit = int64_t(1) << 30;
   const int64_t columns = images * p.out_pixels() * p.taps() * p.in_channels;
