@@ -220,6 +220,9 @@ def onnxruntime_call(case: Case) -> Optional[Callable[[], object]]:
                               opset_imports=[helper.make_opsetid("", 19)])
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
+    # Its threads would otherwise spin for a while after each run, on the cores that the next implementation
+    # (the calls take turns) needs: torch's own OpenMP threads are the same ones for all the others.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
         session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception:  # no DeformConv kernel in this onnxruntime
