@@ -3,6 +3,8 @@ GEMMs, and the determinism of the race-free backward."""
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 import torch
 import torchvision
@@ -80,3 +82,30 @@ def test_backward_is_bitwise_reproducible(groups):
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             assert torch.equal(a, b)
+
+
+def test_scratch_is_kept_between_calls_and_bounded():
+    kept = torch.ops.deform_conv.kept_scratch_bytes
+    case = make_case(torch.float32, batch=2, size=(30, 28))
+    output_and_grads(ours, case)
+    after_first = kept()
+    assert after_first > 0  # the column buffer and the channels-last input copy of this thread
+    output_and_grads(ours, case)
+    assert kept() == after_first  # reused, not grown
+    # A column buffer over 32 MiB is allocated afresh each time, not kept: 1x1 kernel, 400 x 400 x 64 floats
+    # (41 MB) for one image; the input is channels-last already, so it is not copied either.
+    big = make_case(torch.float32, batch=1, in_channels=64, out_channels=4, size=(400, 400), kernel=(1, 1),
+                    stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, offset_groups=1)
+    ours(big.input.contiguous(memory_format=torch.channels_last), big.offset, big.weight, big.bias, big.stride,
+         big.padding, big.dilation, big.mask)
+    assert kept() <= after_first + (32 << 20)
+
+
+def test_threads_calling_at_once_each_use_their_own_scratch():
+    cases = [make_case(torch.float64, batch=2, seed=seed) for seed in range(6)]
+    expected = [output_and_grads(ours, case) for case in cases]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        got = list(pool.map(lambda case: output_and_grads(ours, case), cases * 3))
+    # Shared scratch would give garbage; the tolerance only allows for GEMMs that split their sums by thread count.
+    for i, results in enumerate(got):
+        assert_all_close(results, expected[i % len(cases)], torch.float64)

@@ -3,7 +3,8 @@
 For each case: forward and forward+backward time of ours, of torchvision's deform_conv2d and of conv2d at the
 same shape (the floor), the ratios, and the peak memory of ours and torchvision's during a forward+backward
 (measured in a child process each: the rise of the resident set's high-water mark over what the inputs occupy,
-with malloc made to return freed blocks at once so that the resident set follows the live memory). onnxruntime's DeformConv
+with malloc made to return freed blocks at once so that the resident set follows the live memory; for ours plus
+the scratch memory its kernels keep between calls). onnxruntime's DeformConv
 runs as a forward-only peer where it is installed. Timing: one warm-up call each, then the implementations
 take turns, one call each per round, so that all of them meet the same machine (a shared machine's load drifts
 within seconds, and measured one after the other the ratios would measure the drift); each is called until at
@@ -181,7 +182,9 @@ with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets the high-water mark to the current resident set
 before = status("VmRSS:")
 fn(case, leaves).sum().backward()
-print((status("VmHWM:") - before) / 1024)
+# Scratch memory our CPU kernels keep from call to call is resident since the first call: count it too.
+kept = torch.ops.deform_conv.kept_scratch_bytes() / 1024 if impl == "ours" else 0
+print((status("VmHWM:") - before + kept) / 1024)
 """
 
 

@@ -31,11 +31,18 @@ at::Tensor weight_from_1x1(const ConvParams& p, const at::Tensor& weight_1x1) {
       .contiguous();
 }
 
+at::Tensor channels_last_buffer(const SamplingPasses& passes, ScratchSlot slot, at::IntArrayRef sizes,
+                                const at::TensorOptions& options) {
+  if (passes.scratch != nullptr) return passes.scratch(slot, sizes, options);
+  return at::empty(sizes, options, at::MemoryFormat::ChannelsLast);
+}
+
 // The column buffer of `images` images, viewed as the channels-last input of the 1x1 convolution:
 // [images, groups * taps * C_in/groups, out_h, out_w] with channels innermost in memory.
-at::Tensor column_buffer(const ConvParams& p, int64_t images, const at::TensorOptions& options) {
-  return at::empty({images, p.groups * p.taps() * p.in_channels_per_group(), p.out_h, p.out_w}, options,
-                   at::MemoryFormat::ChannelsLast);
+at::Tensor column_buffer(const SamplingPasses& passes, const ConvParams& p, int64_t images,
+                         const at::TensorOptions& options) {
+  return channels_last_buffer(passes, ScratchSlot::columns,
+                              {images, p.groups * p.taps() * p.in_channels_per_group(), p.out_h, p.out_w}, options);
 }
 
 const std::vector<int64_t> kOnes{1, 1}, kZeros{0, 0};
@@ -57,11 +64,16 @@ void add_product(at::Tensor sum, const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
-SamplingTensors::SamplingTensors(const at::Tensor& input_, const at::Tensor& offset_,
+SamplingTensors::SamplingTensors(const SamplingPasses& passes, const at::Tensor& input_, const at::Tensor& offset_,
                                  const std::optional<at::Tensor>& mask_)
-    : input(input_.contiguous(at::MemoryFormat::ChannelsLast)),
+    : input(input_),
       offset(offset_.contiguous()),
-      mask(mask_.has_value() ? mask_->contiguous() : at::Tensor()) {}
+      mask(mask_.has_value() ? mask_->contiguous() : at::Tensor()) {
+  if (!input.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+    input = channels_last_buffer(passes, ScratchSlot::channels_last_input, input_.sizes(), input_.options());
+    input.copy_(input_);
+  }
+}
 
 at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const at::Tensor& input,
                         const at::Tensor& offset, const at::Tensor& weight, const std::optional<at::Tensor>& mask,
@@ -69,10 +81,10 @@ at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const
   at::Tensor output = at::empty({p.batch, p.out_channels, p.out_h, p.out_w}, input.options());  // [B, C_out, H_out, W_out]
   if (output.numel() == 0) return output;
 
-  const SamplingTensors tensors(input, offset, mask);
+  const SamplingTensors tensors(passes, input, offset, mask);
   const at::Tensor weight_1x1 = weight_as_1x1(p, weight);
   const int64_t chunk = images_per_chunk(p, input.element_size(), passes.column_budget_bytes);
-  at::Tensor columns = column_buffer(p, std::min(chunk, p.batch), input.options());
+  at::Tensor columns = column_buffer(passes, p, std::min(chunk, p.batch), input.options());
   for (int64_t first = 0; first < p.batch; first += chunk) {
     const int64_t images = std::min(chunk, p.batch - first);
     at::Tensor chunk_columns = columns.narrow(0, 0, images);
@@ -114,10 +126,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
   if (bias_defined) grad_bias = grad_output.sum({0, 2, 3}, /*keepdim=*/false, acc_type).to(input.scalar_type());
 
   if (p.batch > 0 && p.out_channels > 0) {
-    const SamplingTensors tensors(input, offset, mask);
+    const SamplingTensors tensors(passes, input, offset, mask);
     const at::Tensor weight_matrix = weight_as_1x1(p, weight).view({p.out_channels, -1});
     const int64_t chunk = images_per_chunk(p, input.element_size(), passes.column_budget_bytes);
-    at::Tensor columns = column_buffer(p, std::min(chunk, p.batch), input.options());
+    at::Tensor columns = column_buffer(passes, p, std::min(chunk, p.batch), input.options());
     const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
     for (int64_t first = 0; first < p.batch; first += chunk) {
       const int64_t images = std::min(chunk, p.batch - first);

@@ -14,12 +14,10 @@
 
 namespace deform_conv {
 
-// The tensors the passes read, in the layout they expect: input channels-last [B, H, W, C_in] in memory,
-// offset and mask contiguous (mask undefined without a mask).
-struct SamplingTensors {
-  at::Tensor input, offset, mask;
-  SamplingTensors(const at::Tensor& input, const at::Tensor& offset, const std::optional<at::Tensor>& mask);
-};
+struct SamplingTensors;
+
+// What the driver's scratch buffers are for (see SamplingPasses::scratch).
+enum class ScratchSlot { columns = 0, channels_last_input = 1 };
 
 struct SamplingPasses {
   // The columns (see ConvParams::column_index) of images [first, first + images).
@@ -35,6 +33,17 @@ struct SamplingPasses {
   // The forward's GEMM as a 1x1 convolution (oneDNN on the CPU: faster than BLAS there), or as plain GEMMs
   // (on CUDA: cuDNN would use TF32 for float32 by default, cuBLAS follows torch's matmul setting, off).
   bool gemm_as_convolution;
+  // A channels-last tensor of `sizes` for one of the driver's internal buffers, valid until this thread asks
+  // for the same slot again; nullptr: a fresh at::empty each time.
+  at::Tensor (*scratch)(ScratchSlot slot, at::IntArrayRef sizes, const at::TensorOptions& options);
+};
+
+// The tensors the passes read, in the layout they expect: input channels-last [B, H, W, C_in] in memory (a
+// copy in scratch memory unless it is already), offset and mask contiguous (mask undefined without a mask).
+struct SamplingTensors {
+  at::Tensor input, offset, mask;
+  SamplingTensors(const SamplingPasses& passes, const at::Tensor& input, const at::Tensor& offset,
+                  const std::optional<at::Tensor>& mask);
 };
 
 // `p` comes from make_conv_params on the same tensors (which validates them).

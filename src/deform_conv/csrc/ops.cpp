@@ -2,6 +2,8 @@
 // TORCH_LIBRARY_IMPL(deform_conv, <DispatchKey>, m); autograd and fake kernels live in Python (_ops.py).
 #include <torch/library.h>
 
+#include "cpu/scratch.h"
+
 TORCH_LIBRARY(deform_conv, m) {
   // input [B, C_in, H, W], offset [B, 2*offset_groups*kh*kw, H_out, W_out], weight [C_out, C_in/groups, kh, kw],
   // mask [B, offset_groups*kh*kw, H_out, W_out], bias [C_out] -> output [B, C_out, H_out, W_out].
@@ -15,4 +17,6 @@ TORCH_LIBRARY(deform_conv, m) {
       "deform_conv2d_backward(Tensor grad_output, Tensor input, Tensor offset, Tensor weight, Tensor? mask, "
       "int[2] stride, int[2] padding, int[2] dilation, bool bias_defined) "
       "-> (Tensor grad_input, Tensor grad_offset, Tensor grad_weight, Tensor? grad_mask, Tensor? grad_bias)");
+  // Bytes of scratch memory the CPU kernels keep between calls, over all threads (cpu/scratch.h).
+  m.def("kept_scratch_bytes() -> int", &deform_conv::cpu::kept_scratch_bytes);
 }

@@ -8,6 +8,7 @@
 #include "../columns_driver.h"
 #include "depthwise.h"
 #include "sampling_passes.h"
+#include "scratch.h"
 
 namespace deform_conv {
 namespace cpu {
@@ -43,9 +44,9 @@ void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, in
 }
 
 // 8 MiB of columns per chunk (at least one image): written by the sampling pass and read by the GEMM while
-// still in cache, and small enough that the allocator reuses the buffer from call to call instead of mapping
-// fresh pages (larger buffers are mmap-ed anew on every call, and the page faults cost as much as the sampling).
-constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(8) << 20, /*gemm_as_convolution=*/true};
+// still in cache. The buffers live in per-thread scratch memory (scratch.h), kept from call to call.
+constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(8) << 20, /*gemm_as_convolution=*/true,
+                                 scratch};
 
 // float16 and bfloat16 (e.g. under CPU autocast) are computed in float32 -- the kernels accumulate in fp32
 // anyway -- and each result is rounded once to the input's dtype.
