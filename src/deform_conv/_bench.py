@@ -9,11 +9,12 @@ runs as a forward-only peer where it is installed. Timing: one warm-up call each
 take turns, one call each per round, so that all of them meet the same machine (a shared machine's load drifts
 within seconds, and measured one after the other the ratios would measure the drift); each is called until at
 least ``min_seconds`` of its calls have passed (at least 3, at most 50 calls) and its median is reported;
-threads = all cores.
+threads = all cores; malloc's trimming off (steady_malloc).
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import math
@@ -117,6 +118,20 @@ IMPLEMENTATIONS: Dict[str, Callable[[Case, Dict[str, torch.Tensor]], torch.Tenso
     "torchvision": _torchvision,
     "conv2d": _conv2d,
 }
+
+
+def steady_malloc() -> bool:
+    """Stops glibc's malloc, in this process, from handing freed memory back to the kernel (trimming) and from
+    mapping blocks of up to 32 MiB afresh on every allocation, so that no implementation's time depends on what
+    the call before it freed. Without this, conv2d's own S1 forward took 8.6 ms in one process and 15.6 ms in
+    another (4,500 page faults a call). False where there is no glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from <malloc.h>
+    return bool(mallopt(m_trim_threshold, 1 << 30)) and bool(mallopt(m_mmap_threshold, 32 << 20))
 
 
 def interleaved_medians(calls: Dict[str, Callable[[], object]], min_seconds: float) -> Dict[str, float]:
@@ -255,10 +270,11 @@ def environment() -> str:
 
     return (f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads; Python {platform.python_version()}, "
             f"torch {torch.__version__}, torchvision {tv}, onnxruntime {ort}, deform_conv {deform_conv.__version__}; "
-            "fp32")
+            "fp32; malloc's trimming off for the timings (see steady_malloc)")
 
 
 def run(cases: Sequence[Case], min_seconds: float = 1.0, memory: bool = True, onnx: bool = True) -> List[dict]:
+    steady_malloc()
     rows = []
     for case in cases:
         row: Dict[str, object] = {"case": case.name, "config": case.describe()}
