@@ -260,6 +260,8 @@ def test_wide_copies_of_the_cpu_passes_hold_their_inner_loops():
             continue
         if current is not None:
             bodies.setdefault(current, []).append(line)
+    if not bodies:
+        pytest.skip("no per-instruction-set copies in this build (not GCC on x86-64 Linux)")
     passes = ("fill_rows<float>", "coordinate_rows<float>", "input_grad_tasks<float>", "forward_rows<float>")
     for name in passes:
         clones = [body for symbol, body in bodies.items() if name in symbol]

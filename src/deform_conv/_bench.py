@@ -5,11 +5,12 @@ same shape (the floor), the ratios, and the peak memory of ours and torchvision'
 (measured in a child process each: the rise of the resident set's high-water mark over what the inputs occupy,
 with malloc made to return freed blocks at once so that the resident set follows the live memory; for ours plus
 the scratch memory its kernels keep between calls). onnxruntime's DeformConv
-runs as a forward-only peer where it is installed. Timing: one warm-up call each, then the implementations
-take turns, one call each per round, so that all of them meet the same machine (a shared machine's load drifts
-within seconds, and measured one after the other the ratios would measure the drift); each is called until at
-least ``min_seconds`` of its calls have passed (at least 3, at most 50 calls) and its median is reported;
-threads = all cores; malloc's trimming off (steady_malloc).
+runs as a forward-only peer where it is installed, timed on its own after the others (its threads spin for a
+while after each run, on the cores the next implementation would need). Timing: one warm-up call each, then
+ours, torchvision's and conv2d take turns, one call each per round, so that all of them meet the same machine (a
+shared machine's load drifts within seconds, and measured one after the other the ratios would measure the
+drift); each is called until at least ``min_seconds`` of its calls have passed (at least 3, at most 50 calls) and
+its median is reported; threads = all cores. The command line also turns malloc's trimming off (steady_malloc).
 """
 
 from __future__ import annotations
@@ -134,14 +135,17 @@ def steady_malloc() -> bool:
     return bool(mallopt(m_trim_threshold, 1 << 30)) and bool(mallopt(m_mmap_threshold, 32 << 20))
 
 
-def interleaved_medians(calls: Dict[str, Callable[[], object]], min_seconds: float) -> Dict[str, float]:
-    """Median seconds of each call, the calls taking turns (see the module's docstring)."""
-    from torch.utils.benchmark import Timer
+def _now(device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
-    timers = {}
-    for name, fn in calls.items():
+
+def interleaved_medians(calls: Dict[str, Callable[[], object]], min_seconds: float, device: str = "cpu"
+                        ) -> Dict[str, float]:
+    """Median seconds of each call, the calls taking turns one call at a time (see the module's docstring)."""
+    for fn in calls.values():
         fn()  # warm-up
-        timers[name] = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     times: Dict[str, List[float]] = {name: [] for name in calls}
 
     def wants_more(name: str) -> bool:
@@ -149,9 +153,11 @@ def interleaved_medians(calls: Dict[str, Callable[[], object]], min_seconds: flo
         return len(done) < 3 or (sum(done) < min_seconds and len(done) < 50)
 
     while any(wants_more(name) for name in calls):
-        for name, timer in timers.items():
+        for name, fn in calls.items():
             if wants_more(name):
-                times[name].append(timer.timeit(1).median)
+                start = _now(device)
+                fn()
+                times[name].append(_now(device) - start)
     return {name: statistics.median(done) for name, done in times.items()}
 
 
@@ -198,7 +204,9 @@ with open("/proc/self/clear_refs", "w") as f:
 before = status("VmRSS:")
 fn(case, leaves).sum().backward()
 # Scratch memory our CPU kernels keep from call to call is resident since the first call: count it too.
-kept = torch.ops.deform_conv.kept_scratch_bytes() / 1024 if impl == "ours" else 0
+kept = 0
+if impl == "ours" and hasattr(torch.ops.deform_conv, "kept_scratch_bytes"):  # absent when the reference runs
+    kept = torch.ops.deform_conv.kept_scratch_bytes() / 1024
 print((status("VmHWM:") - before + kept) / 1024)
 """
 
@@ -238,9 +246,6 @@ def onnxruntime_call(case: Case) -> Optional[Callable[[], object]]:
                               opset_imports=[helper.make_opsetid("", 19)])
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
-    # Its threads would otherwise spin for a while after each run, on the cores that the next implementation
-    # (the calls take turns) needs: torch's own OpenMP threads are the same ones for all the others.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
         session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception:  # no DeformConv kernel in this onnxruntime
@@ -249,7 +254,7 @@ def onnxruntime_call(case: Case) -> Optional[Callable[[], object]]:
     return lambda: session.run(None, feeds)
 
 
-def environment() -> str:
+def environment(malloc_steadied: bool = False) -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -270,21 +275,19 @@ def environment() -> str:
 
     return (f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads; Python {platform.python_version()}, "
             f"torch {torch.__version__}, torchvision {tv}, onnxruntime {ort}, deform_conv {deform_conv.__version__}; "
-            "fp32; malloc's trimming off for the timings (see steady_malloc)")
+            "fp32" + ("; malloc's trimming off for the timings (see steady_malloc)" if malloc_steadied else ""))
 
 
 def run(cases: Sequence[Case], min_seconds: float = 1.0, memory: bool = True, onnx: bool = True) -> List[dict]:
-    steady_malloc()
     rows = []
     for case in cases:
         row: Dict[str, object] = {"case": case.name, "config": case.describe()}
         calls = {f"{impl}_{phase}": make_call(case, impl, backward)
                  for impl in IMPLEMENTATIONS for phase, backward in (("fwd", False), ("fwdbwd", True))}
-        onnxruntime = onnxruntime_call(case) if onnx else None
-        if onnxruntime is not None:
-            calls["onnxruntime_fwd"] = onnxruntime
         row.update(interleaved_medians(calls, min_seconds))
-        row.setdefault("onnxruntime_fwd", None)
+        onnxruntime = onnxruntime_call(case) if onnx else None
+        row["onnxruntime_fwd"] = (interleaved_medians({"ort": onnxruntime}, min_seconds)["ort"]
+                                  if onnxruntime is not None else None)
         for impl in ("ours", "torchvision"):
             row[f"{impl}_peak_mib"] = peak_memory_mib(case, impl) if memory else None
         rows.append(row)
@@ -318,10 +321,9 @@ def format_row(r: dict) -> str:
     )
 
 
-def markdown(rows: List[dict], command: str) -> str:
-    return "\n".join(
-        ["# CPU speed", "", f"Command: `{command}`", "", environment(), "", HEADER, *[format_row(r) for r in rows], ""]
-    )
+def markdown(rows: List[dict], command: str, malloc_steadied: bool) -> str:
+    return "\n".join(["# CPU speed", "", f"Command: `{command}`", "", environment(malloc_steadied), "", HEADER,
+                      *[format_row(r) for r in rows], ""])
 
 
 def plot(rows: List[dict], path: Path) -> bool:
@@ -379,7 +381,7 @@ def run_gpu(cases: Sequence[Case], min_seconds: float) -> List[str]:
         for dtype, tv_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float16)):
             t = interleaved_medians({f"{impl}_{phase}": make_call(case, impl, backward, "cuda", d)
                                      for impl, d in (("ours", dtype), ("torchvision", tv_dtype), ("conv2d", dtype))
-                                     for phase, backward in (("fwd", False), ("fwdbwd", True))}, min_seconds)
+                                     for phase, backward in (("fwd", False), ("fwdbwd", True))}, min_seconds, "cuda")
             peak = (gpu_peak_mib(case, "ours", dtype), gpu_peak_mib(case, "torchvision", tv_dtype))
             name = str(dtype).replace("torch.", "")
             line = (
@@ -430,13 +432,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return gpu_main(args.out, min_seconds=min(args.min_seconds, 0.3))
     cases = SMOKE_CASES if args.smoke else CASES + (EXTRA_CASES if args.extra else [])
     min_seconds = 0.05 if args.smoke else args.min_seconds
-    print(environment())
+    steadied = steady_malloc()  # for this process, which ends with the run
+    print(environment(steadied))
     print(HEADER)
     rows = run(cases, min_seconds=min_seconds, memory=True, onnx=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         command = "deform-conv bench" + (" --smoke" if args.smoke else "") + (" --extra" if args.extra else "")
-        (args.out / "cpu.md").write_text(markdown(rows, command))
+        (args.out / "cpu.md").write_text(markdown(rows, command, steadied))
         plotted = plot(rows, args.out / "cpu.png")
         print(f"wrote {args.out / 'cpu.md'}" + (f" and {args.out / 'cpu.png'}" if plotted else " (no plot: matplotlib missing)"))
     return 0

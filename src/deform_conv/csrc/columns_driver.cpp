@@ -136,8 +136,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
       at::Tensor chunk_columns = columns.narrow(0, 0, images);
       passes.fill_columns(p, tensors, first, images, chunk_columns);
       // Image by image and group by group, with plain GEMMs into buffers that exist already (no temporaries of
-      // the columns' size; for the half types, add_product makes a float one of a weight group's size): first
-      // the weight's gradient, accumulated in place,
+      // the columns' size, except that for the half types add_product makes a float product of a weight group's
+      // size, and before torch 2.8 widens the image's columns of the group too): first the weight's gradient,
+      // accumulated in place,
       // [C_out/G, H_out*W_out] x [H_out*W_out, taps * C_in/G]; then, as the columns are no longer needed, their
       // gradient overwrites them, [H_out*W_out, C_out/G] x [C_out/G, taps * C_in/G].
       for (int64_t n = 0; n < images; ++n) {

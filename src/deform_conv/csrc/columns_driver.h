@@ -39,7 +39,8 @@ struct SamplingPasses {
 };
 
 // The tensors the passes read, in the layout they expect: input channels-last [B, H, W, C_in] in memory (a
-// copy in scratch memory unless it is already), offset and mask contiguous (mask undefined without a mask).
+// copy unless it is already, in SamplingPasses::scratch memory where the backend has it), offset and mask
+// contiguous (mask undefined without a mask).
 struct SamplingTensors {
   at::Tensor input, offset, mask;
   SamplingTensors(const SamplingPasses& passes, const at::Tensor& input, const at::Tensor& offset,

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <numeric>
 
 #include "sampling_point.h"
 
@@ -140,12 +141,12 @@ void coordinate_and_mask_grads(const ConvParams& p, const SamplingInputs<scalar_
 template <typename scalar_t>
 void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
                            int64_t images, const scalar_t* grad_columns, scalar_t* grad_input) {
-  // Just enough channel blocks (of at least 8 channels) that every thread has a task even for one image: each
-  // block repeats the sampling arithmetic for every point, and at::parallel_for hands each thread one fixed
-  // share of the tasks anyway. The result does not depend on the blocking: each element of grad_input lies in
-  // exactly one block and sums its terms in the same order.
-  const int64_t blocks =
-      std::max<int64_t>(1, std::min<int64_t>((at::get_num_threads() + images - 1) / images, p.in_channels / 8));
+  // As few channel blocks (of at least 8 channels) as make images * blocks a multiple of the thread count:
+  // at::parallel_for hands each thread one fixed share of the tasks, which are then equal, and each block
+  // repeats the sampling arithmetic for every point. The result does not depend on the blocking: each element
+  // of grad_input lies in exactly one block and sums its terms in the same order.
+  const int64_t threads = at::get_num_threads();
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(threads / std::gcd(images, threads), p.in_channels / 8));
   at::parallel_for(0, images * blocks, 1, [&](int64_t begin, int64_t end) {
     input_grad_tasks(p, in, first_image, blocks, begin, end, grad_columns, grad_input);
   });
