@@ -1,15 +1,14 @@
 """Where the time of a forward goes, on the CPU: ours against conv2d, the GEMM part alone (the oneDNN 1x1
 convolutions over one image's columns each, as the op runs them, with and without copying their channels-last
-output back to channels-first), and the input's conversion to channels-last. The calls take turns; medians.
+output back to channels-first), and the input's conversion to channels-last. The calls take turns
+(_bench.interleaved_medians); medians.
 
     python benchmarks/forward_breakdown.py [S1|S2|S3|S5]     # default S1
 
 The sampling pass is what remains of ours after the GEMMs, the copies and the conversion.
 """
 
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -41,18 +40,11 @@ def main(name: str) -> None:
         "GEMMs + output copies": lambda: gemms(copy=True),
         "input to channels-last": lambda: t["x"].contiguous(memory_format=torch.channels_last),
     }
-    times = {k: [] for k in calls}
     with torch.no_grad():
-        for fn in calls.values():
-            fn()
-        for _ in range(40):
-            for k, fn in calls.items():
-                start = time.perf_counter()
-                fn()
-                times[k].append(time.perf_counter() - start)
+        medians = _bench.interleaved_medians(calls, min_seconds=1.0)
     print(f"{case.name}: {case.describe()}; {torch.get_num_threads()} threads")
-    for k, v in times.items():
-        print(f"  {k:24s} {1e3 * statistics.median(v):7.2f} ms")
+    for name, seconds in medians.items():
+        print(f"  {name:24s} {1e3 * seconds:7.2f} ms")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ For each case: forward and forward+backward time of ours, of torchvision's defor
 same shape (the floor), the ratios, and the peak memory of ours and torchvision's during a forward+backward
 (measured in a child process each: the rise of the resident set's high-water mark over what the inputs occupy,
 with malloc made to return freed blocks at once so that the resident set follows the live memory; for ours plus
-the scratch memory its kernels keep between calls). onnxruntime's DeformConv
-runs as a forward-only peer where it is installed, timed on its own after the others (its threads spin for a
-while after each run, on the cores the next implementation would need). Timing: one warm-up call each, then
+the scratch memory its kernels keep between calls). onnxruntime's DeformConv runs as a forward-only peer where it
+is installed, timed on its own after the others (its threads spin for a while after each run, on the cores the
+next implementation would need). Timing: one warm-up call each, then
 ours, torchvision's and conv2d take turns, one call each per round, so that all of them meet the same machine (a
 shared machine's load drifts within seconds, and measured one after the other the ratios would measure the
 drift); each is called until at least ``min_seconds`` of its calls have passed (at least 3, at most 50 calls) and
