@@ -1,9 +1,10 @@
 """The paths the CPU optimisations create: chunk boundaries, uneven channel splits, the depthwise path without
-GEMMs, and the determinism of the race-free backward."""
+GEMMs, the tiled float32 forward, and the determinism of the race-free backward."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 
 import pytest
 import torch
@@ -92,9 +93,10 @@ def test_scratch_is_kept_between_calls_and_bounded():
     assert after_first > 0  # the column buffer and the channels-last input copy of this thread
     output_and_grads(ours, case)
     assert kept() == after_first  # reused, not grown
-    # A column buffer over 32 MiB is allocated afresh each time, not kept: 1x1 kernel, 400 x 400 x 64 floats
-    # (41 MB) for one image; the input is channels-last already, so it is not copied either.
-    big = make_case(torch.float32, batch=1, in_channels=64, out_channels=4, size=(400, 400), kernel=(1, 1),
+    # A column buffer over 32 MiB is allocated afresh each time, not kept: 1x1 kernel, 400 x 400 x 64 doubles
+    # (82 MB) for one image; the input is channels-last already, so it is not copied either. (In float64: a
+    # float32 forward would take the tiled path, whose buffers are small and kept.)
+    big = make_case(torch.float64, batch=1, in_channels=64, out_channels=4, size=(400, 400), kernel=(1, 1),
                     stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, offset_groups=1)
     ours(big.input.contiguous(memory_format=torch.channels_last), big.offset, big.weight, big.bias, big.stride,
          big.padding, big.dilation, big.mask)
@@ -109,3 +111,91 @@ def test_threads_calling_at_once_each_use_their_own_scratch():
     # Shared scratch would give garbage; the tolerance only allows for GEMMs that split their sums by thread count.
     for i, results in enumerate(got):
         assert_all_close(results, expected[i % len(cases)], torch.float64)
+
+
+# The tiled float32 forward (cpu/tiled_forward.cpp) serves every float32 layer whose tile holds 32 pixels, where
+# ATen has a float32 batch-reduce GEMM and oneDNN is on; with oneDNN off, the same layers take the driver's path.
+TILED_SHAPES = {
+    # 2 tiles of 128 pixels per image; 72 output channels, a GEMM panel of 64 and one of 8; 576 weight rows,
+    # summed in blocks of 512 and 64.
+    "tiles_panels_depth_blocks": dict(batch=3, in_channels=64, out_channels=72, size=(16, 16), kernel=(3, 3),
+                                      stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=1, offset_groups=2),
+    # 3 weight groups of 16 channels, 4 offset groups of 12: the groups do not nest.
+    "groups": dict(batch=2, in_channels=48, out_channels=96, size=(15, 17), kernel=(3, 3), stride=(1, 1),
+                   padding=(1, 1), dilation=(1, 1), groups=3, offset_groups=4),
+    # One image: fewer images than threads, so the input is turned to channels-last up front.
+    "one_image": dict(batch=1, in_channels=64, out_channels=72, size=(16, 16), kernel=(3, 3), stride=(1, 1),
+                      padding=(1, 1), dilation=(1, 1), groups=1, offset_groups=2),
+    "awkward_geometry": dict(),
+    "no_mask_no_bias": dict(with_mask=False, with_bias=False),
+}
+
+
+def _network_scale(case):
+    """The case with weights at the scale of a network's initialisation (1/sqrt(fan_in)): the float32 tolerance
+    holds for outputs of order 1, not for sums of 576 unit-scale products."""
+    return dataclasses.replace(case, weight=case.weight / case.weight[0].numel() ** 0.5)
+
+
+def _exact_output(case):
+    """The reference in float64 on the same float32 values, rounded to float32."""
+    wide = [t.double() for t in case.tensors()]
+    return case.call(reference, wide).float()
+
+
+def _input_in_layout(case, layout):
+    tensors = case.tensors()
+    if layout == "channels_last":
+        tensors[0] = tensors[0].contiguous(memory_format=torch.channels_last)
+    elif layout == "strided":
+        tensors[0] = tensors[0].transpose(2, 3).contiguous().transpose(2, 3)
+    return tensors
+
+
+# torch.backends.mkldnn.flags warns, on builds without Intel GPU support, that it cannot set TF32 for one.
+ignore_tf32_warning = pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
+
+
+@ignore_tf32_warning
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
+@pytest.mark.parametrize("shape", list(TILED_SHAPES), ids=list(TILED_SHAPES))
+@pytest.mark.parametrize("onednn", [True, False], ids=["tiled", "driver"])
+def test_float32_forward_on_both_paths(shape, layout, onednn):
+    case = _network_scale(make_case(torch.float32, **TILED_SHAPES[shape]))
+    with torch.backends.mkldnn.flags(enabled=onednn):
+        out = case.call(ours, _input_in_layout(case, layout))
+    assert_all_close([out], [_exact_output(case)], torch.float32)
+
+
+@ignore_tf32_warning
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
+                    or not torch.backends.mkldnn.is_available(),
+                    reason="the tiled forward needs oneDNN's batch-reduce GEMM, on x86 with AVX2")
+def test_float32_forward_takes_the_tiled_path():
+    """The tiled path runs no convolution of ATen; the driver's runs its GEMM as one."""
+    case = make_case(torch.float32, **TILED_SHAPES["tiles_panels_depth_blocks"])
+
+    def ops_run(onednn):
+        with torch.backends.mkldnn.flags(enabled=onednn), torch.profiler.profile() as profile:
+            case.call(ours, case.tensors())
+        return {event.name for event in profile.events()}
+
+    tiled, driver = ops_run(True), ops_run(False)
+    assert "deform_conv::deform_conv2d" in tiled and "aten::conv2d" not in tiled
+    assert "aten::conv2d" in driver
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_tiled_forward_does_not_depend_on_the_thread_count(batch):
+    """Tiles follow the shape, not the threads; with one image the input is turned up front on two threads and
+    by the one thread itself on one: the same bits either way."""
+    case = make_case(torch.float32, **dict(TILED_SHAPES["tiles_panels_depth_blocks"], batch=batch))
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for n in (max(threads, 2), 1):
+            torch.set_num_threads(n)
+            outputs.append(case.call(ours, case.tensors()))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1])

@@ -17,7 +17,8 @@ namespace deform_conv {
 struct SamplingTensors;
 
 // What the driver's scratch buffers are for (see SamplingPasses::scratch).
-enum class ScratchSlot { columns = 0, channels_last_input = 1 };
+// `tile`: the CPU's tiled forward (cpu/tiled_forward.h), one task's columns and output.
+enum class ScratchSlot { columns = 0, channels_last_input = 1, tile = 2 };
 
 struct SamplingPasses {
   // The columns (see ConvParams::column_index) of images [first, first + images).

@@ -9,6 +9,7 @@
 #include "depthwise.h"
 #include "sampling_passes.h"
 #include "scratch.h"
+#include "tiled_forward.h"
 
 namespace deform_conv {
 namespace cpu {
@@ -71,6 +72,7 @@ at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::
         .to(input.scalar_type());
   }
   if (is_depthwise(p)) return depthwise_forward(p, input, offset, weight, mask, bias);
+  if (tiled_forward_applies(p, input)) return tiled_forward(p, input, offset, mask, weight, bias);
   return forward_with(kPasses, p, input, offset, weight, mask, bias);
 }
 

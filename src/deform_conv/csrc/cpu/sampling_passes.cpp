@@ -40,14 +40,14 @@ template <typename scalar_t>
 DC_CPU_DISPATCH void fill_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
                                int64_t row_begin, int64_t row_end, scalar_t* columns) {
   const int64_t channels = p.in_channels, per_offset_group = p.channels_per_offset_group();
+  const int64_t pixels = p.out_pixels();
   for_each_point_of_rows(p, in, first_image, row_begin, row_end,
                          [&](int64_t n_local, int64_t pixel, const RowPoints<scalar_t>& points, int64_t group,
                              int64_t tap, const BilinearSample<scalar_t>& s, const scalar_t* image) {
     const scalar_t m = points.mask(group, tap);
-    const int64_t c_begin = group * per_offset_group;
+    const int64_t c_begin = group * per_offset_group, row = n_local * pixels + pixel - row_begin;
     for_each_weight_group_piece(p, c_begin, c_begin + per_offset_group, [&](int64_t g, int64_t c0, int64_t c1) {
-      interpolate(s, image + c0, channels, c1 - c0, in.mask != nullptr, m,
-                  columns + column_index(p, n_local, g, pixel, tap, c0));
+      interpolate(s, image + c0, channels, c1 - c0, in.mask != nullptr, m, columns + column_index(p, 0, g, row, tap, c0));
     });
   });
 }
@@ -125,8 +125,14 @@ template <typename scalar_t>
 void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image, int64_t images,
                   scalar_t* columns) {
   at::parallel_for(0, images * p.out_pixels(), kRowsPerTask, [&](int64_t begin, int64_t end) {
-    fill_rows(p, in, first_image, begin, end, columns);
+    fill_rows(p, in, first_image, begin, end, columns + begin * p.taps() * p.in_channels);
   });
+}
+
+template <typename scalar_t>
+void fill_column_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
+                      int64_t row_begin, int64_t row_end, scalar_t* columns) {
+  fill_rows(p, in, first_image, row_begin, row_end, columns);
 }
 
 template <typename scalar_t>
@@ -154,6 +160,7 @@ void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& 
 
 #define DEFORM_CONV_INSTANTIATE(T)                                                                              \
   template void fill_columns<T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t, T*);            \
+  template void fill_column_rows<T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t, int64_t, T*); \
   template void coordinate_and_mask_grads<T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t,    \
                                              const T*, T*, T*);                                                \
   template void accumulate_input_grad<T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t,        \

@@ -41,16 +41,20 @@ struct KeptBuffer {
   }
 };
 
-constexpr int kSlots = 2;
+constexpr int kSlots = 3;
 
 }  // namespace
+
+void* scratch_bytes(ScratchSlot slot, int64_t bytes) {
+  TORCH_CHECK(bytes <= kMaxKeptScratchBytes, "deform_conv: scratch request of ", bytes, " bytes is over the bound");
+  thread_local KeptBuffer kept[kSlots];
+  return kept[static_cast<int>(slot)].at_least(bytes);
+}
 
 at::Tensor scratch(ScratchSlot slot, at::IntArrayRef sizes, const at::TensorOptions& options) {
   const int64_t bytes = c10::multiply_integers(sizes) * static_cast<int64_t>(options.dtype().itemsize());
   if (bytes == 0 || bytes > kMaxKeptScratchBytes) return at::empty(sizes, options, at::MemoryFormat::ChannelsLast);
-  thread_local KeptBuffer kept[kSlots];
-  void* data = kept[static_cast<int>(slot)].at_least(bytes);
-  return at::from_blob(data, sizes, c10::get_channels_last_strides_2d(sizes), options);
+  return at::from_blob(scratch_bytes(slot, bytes), sizes, c10::get_channels_last_strides_2d(sizes), options);
 }
 
 int64_t kept_scratch_bytes() { return kept_bytes.load(); }

@@ -20,6 +20,10 @@ constexpr int64_t kMaxKeptScratchBytes = int64_t(32) << 20;
 // same slot again. It must not outlive the op's call.
 at::Tensor scratch(ScratchSlot slot, at::IntArrayRef sizes, const at::TensorOptions& options);
 
+// This thread's buffer for `slot`, of at least `bytes` (at most kMaxKeptScratchBytes); valid until the thread
+// asks for the same slot again.
+void* scratch_bytes(ScratchSlot slot, int64_t bytes);
+
 // What all threads keep now, in bytes (torch.ops.deform_conv.kept_scratch_bytes()).
 int64_t kept_scratch_bytes();
 

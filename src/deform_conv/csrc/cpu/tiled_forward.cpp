@@ -1,0 +1,224 @@
+#include "tiled_forward.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+
+#include "sampling_passes.h"
+#include "sampling_point.h"
+#include "scratch.h"
+
+namespace deform_conv {
+namespace cpu {
+namespace {
+
+// One tile's columns and product, at most: half of a 1 MiB L2 cache, from which the GEMM reads the columns once
+// per panel.
+constexpr int64_t kTileBytes = int64_t(512) << 10;
+// Pixels per tile, at least: each tile's GEMMs stream the whole weight through the cache, for 2 * pixels
+// multiply-adds per weight element read. Fewer pixels, and the GEMMs wait on memory (a layer of 512 channels
+// at 3x3, 18 KiB of columns per pixel, ran 2.3x slower than on the driver's path with 14-pixel tiles); such
+// layers take the driver's path, whose GEMM covers whole images.
+constexpr int64_t kMinTilePixels = 32;
+// Rows of the weight per GEMM: a panel's 512 x 64 floats (128 KiB) stay in L2 next to the tile's columns.
+constexpr int64_t kDepthBlock = 512;
+// Output channels per GEMM: four AVX-512 vectors of float32.
+constexpr int64_t kPanelWidth = 64;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// product[M, N] (leading dimension ld_c) = a[M, K] x b[K, N], row-major, on the calling thread alone.
+void product_on_this_thread(int64_t m, int64_t n, int64_t k, int64_t ld_a, int64_t ld_b, int64_t ld_c, const float* a,
+                            const float* b, float* product, bool add = false) {
+#ifdef CPUBLAS_BRGEMM_F32F32F32
+  at::native::cpublas::brgemm(m, n, k, ld_a, ld_b, ld_c, /*add_C=*/add, a, b, product, /*is_vnni=*/false);
+#else
+  TORCH_CHECK(false, "deform_conv: tiled_forward needs ATen's batch-reduce GEMM (tiled_forward_applies is false)");
+#endif
+}
+
+void release_gemm_context() {
+#ifdef CPUBLAS_BRGEMM_F32F32F32
+  at::native::cpublas::brgemm_release(/*is_vnni=*/false);
+#endif
+}
+
+bool batch_reduce_gemm_works() {
+#ifdef CPUBLAS_BRGEMM_F32F32F32
+  // ATen's brgemm raises where oneDNN has no such kernel for this CPU, and where oneDNN is turned off
+  // (torch.backends.mkldnn.enabled = False), which may change at any time.
+  if (!at::globalContext().userEnabledMkldnn()) return false;
+  static const bool works = [] {
+    try {
+      const float a = 2, b = 3;
+      float c = 0;
+      product_on_this_thread(1, 1, 1, 1, 1, 1, &a, &b, &c);
+      release_gemm_context();
+      return c == 6.f;
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  return works;
+#else
+  return false;
+#endif
+}
+
+// Output pixels of an image are cut into `tiles` tiles of `pixels` (the last one may be shorter).
+struct Tiling {
+  int64_t pixels, tiles;
+};
+
+// Bytes per pixel of a tile: its columns and its product.
+int64_t tile_bytes_per_pixel(const ConvParams& p) {
+  return (p.taps() * p.in_channels + p.out_channels) * static_cast<int64_t>(sizeof(float));
+}
+
+Tiling tiling(const ConvParams& p) {
+  const int64_t most = std::max<int64_t>(1, kTileBytes / tile_bytes_per_pixel(p));
+  const int64_t tiles = ceil_div(p.out_pixels(), most);
+  return {ceil_div(p.out_pixels(), tiles), tiles};
+}
+
+// output[c, i] = tile[i, c] (+ bias[c]) for the tile's `len` pixels; output points at the tile's first pixel
+// of channel 0 of its image, channels `pixels` apart. Without a bias nothing is added (0 + -0 would be +0).
+// In blocks of 16 pixels: their rows of the tile stay in the L1 cache while every channel reads them.
+DC_CPU_DISPATCH void store_transposed(const float* tile, int64_t len, int64_t channels, const float* bias,
+                                      int64_t pixels, float* output) {
+  constexpr int64_t kBlock = 16;
+  for (int64_t i0 = 0; i0 < len; i0 += kBlock) {
+    const int64_t block = std::min(kBlock, len - i0);
+    for (int64_t c = 0; c < channels; ++c) {
+      const float* __restrict__ src = tile + i0 * channels + c;
+      float* __restrict__ dst = output + c * pixels + i0;
+      if (bias != nullptr) {
+        const float b = bias[c];
+        for (int64_t i = 0; i < block; ++i) dst[i] = src[i * channels] + b;
+      } else {
+        for (int64_t i = 0; i < block; ++i) dst[i] = src[i * channels];
+      }
+    }
+  }
+}
+
+// dst[pixel, c] = src[c, pixel]: one image from channels-first to channels-last. In blocks of 16 pixels, whose
+// rows of dst stay in the L1 cache while every channel writes them.
+DC_CPU_DISPATCH void to_channels_last(const float* src, int64_t channels, int64_t pixels, float* dst) {
+  constexpr int64_t kBlock = 16;
+  for (int64_t i0 = 0; i0 < pixels; i0 += kBlock) {
+    const int64_t block = std::min(kBlock, pixels - i0);
+    for (int64_t c = 0; c < channels; ++c) {
+      const float* __restrict__ from = src + c * pixels + i0;
+      float* __restrict__ to = dst + i0 * channels + c;
+      for (int64_t i = 0; i < block; ++i) to[i * channels] = from[i];
+    }
+  }
+}
+
+// The input in channels-last memory: itself if it is already, else a copy in this thread's scratch memory.
+at::Tensor channels_last(const at::Tensor& input) {
+  if (input.is_contiguous(at::MemoryFormat::ChannelsLast)) return input;
+  return scratch(ScratchSlot::channels_last_input, input.sizes(), input.options()).copy_(input);
+}
+
+// The weight [C_out, C_in/G, kh, kw] as the GEMMs read it: for each group, its output channels in panels of
+// kPanelWidth (the last one may be narrower), each panel a contiguous [taps * C_in/G, width] matrix whose rows
+// follow the columns (taps outer, channels inner). Panel c of group g starts at (g * C_out/G + c) * taps * C_in/G.
+// A GEMM then reads its factor as one contiguous stream instead of one short piece per row a whole weight row
+// apart, which starves it once the weight is larger than the cache.
+at::Tensor weight_panels(const ConvParams& p, const at::Tensor& weight) {
+  const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
+  // [G, taps * C_in/G, C_out/G]
+  const at::Tensor by_group =
+      weight.permute({0, 2, 3, 1}).reshape({p.groups, out_per_group, per_group}).transpose(1, 2).contiguous();
+  if (out_per_group <= kPanelWidth) return by_group;
+  at::Tensor panels = at::empty({p.out_channels * per_group}, weight.options());
+  for (int64_t g = 0; g < p.groups; ++g) {
+    for (int64_t c = 0; c < out_per_group; c += kPanelWidth) {
+      const int64_t width = std::min(kPanelWidth, out_per_group - c);
+      panels.narrow(0, (g * out_per_group + c) * per_group, per_group * width)
+          .view({per_group, width})
+          .copy_(by_group[g].narrow(1, c, width));
+    }
+  }
+  return panels;
+}
+
+}  // namespace
+
+bool tiled_forward_applies(const ConvParams& p, const at::Tensor& input) {
+  return input.scalar_type() == at::kFloat && tile_bytes_per_pixel(p) * kMinTilePixels <= kTileBytes &&
+         batch_reduce_gemm_works();
+}
+
+at::Tensor tiled_forward(const ConvParams& p, const at::Tensor& input, const at::Tensor& offset,
+                         const std::optional<at::Tensor>& mask, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias) {
+  at::Tensor output = at::empty({p.batch, p.out_channels, p.out_h, p.out_w}, input.options());
+  if (output.numel() == 0) return output;
+
+  const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
+  const int64_t row_size = p.taps() * p.in_channels, pixels = p.out_pixels(), image_size = p.height * p.width * p.in_channels;
+  const Tiling tiles = tiling(p);
+  const int64_t tile_floats = (row_size + p.out_channels) * tiles.pixels;
+
+  // Each thread turns the images it works on to channels-last itself, into a buffer that stays in its cache
+  // (an image whose tiles two threads share is turned by both). That pays where most images are one thread's
+  // alone; otherwise the input is turned once, up front, by all threads.
+  const bool turn_per_thread = input.is_contiguous() && p.batch >= at::get_num_threads() &&
+                               (tile_floats + image_size) * int64_t(sizeof(float)) <= kMaxKeptScratchBytes;
+  const at::Tensor input_cl = turn_per_thread ? input : channels_last(input);
+  const at::Tensor offset_c = offset.contiguous();
+  const at::Tensor mask_c = mask.has_value() ? mask->contiguous() : at::Tensor();
+  const at::Tensor panels = weight_panels(p, weight);
+  const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const float* images = input_cl.const_data_ptr<float>();
+  const float* offsets = offset_c.const_data_ptr<float>();
+  const float* masks = mask_c.defined() ? mask_c.const_data_ptr<float>() : nullptr;
+  const float* weights = panels.const_data_ptr<float>();
+  const float* bias_ptr = bias_c.defined() ? bias_c.const_data_ptr<float>() : nullptr;
+  float* out = output.mutable_data_ptr<float>();
+
+  at::parallel_for(0, p.batch * tiles.tiles, 1, [&](int64_t begin, int64_t end) {
+    float* columns = static_cast<float*>(
+        scratch_bytes(ScratchSlot::tile, (tile_floats + (turn_per_thread ? image_size : 0)) * int64_t(sizeof(float))));
+    float* product = columns + row_size * tiles.pixels;  // [tile pixels, C_out]
+    float* turned = product + p.out_channels * tiles.pixels;  // this thread's image, channels-last
+    int64_t turned_image = -1;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / tiles.tiles, first = task % tiles.tiles * tiles.pixels;
+      const int64_t len = std::min(tiles.pixels, pixels - first);
+      if (turn_per_thread && n != turned_image) {
+        to_channels_last(images + n * image_size, p.in_channels, p.height * p.width, turned);
+        turned_image = n;
+      }
+      // Image n alone, as image 0.
+      const SamplingInputs<float> in{turn_per_thread ? turned : images + n * image_size,
+                                     offsets + p.offset_index(n, 0, 0, 0),
+                                     masks != nullptr ? masks + p.mask_index(n, 0, 0, 0) : nullptr};
+      fill_column_rows(p, in, /*first_image=*/0, first, first + len, columns);
+      // product[:, group g's panel] = columns[:, group g] x panel, summed over blocks of kDepthBlock rows.
+      for (int64_t g = 0; g < p.groups; ++g) {
+        for (int64_t c = 0; c < out_per_group; c += kPanelWidth) {
+          const int64_t width = std::min(kPanelWidth, out_per_group - c);
+          const float* panel = weights + (g * out_per_group + c) * per_group;
+          for (int64_t k = 0; k < per_group; k += kDepthBlock) {
+            product_on_this_thread(len, width, std::min(kDepthBlock, per_group - k), /*ld_a=*/row_size,
+                                   /*ld_b=*/width, /*ld_c=*/p.out_channels, columns + g * per_group + k,
+                                   panel + k * width, product + g * out_per_group + c, /*add=*/k > 0);
+          }
+        }
+      }
+      store_transposed(product, len, p.out_channels, bias_ptr, pixels, out + n * p.out_channels * pixels + first);
+    }
+    release_gemm_context();
+  });
+  return output;
+}
+
+}  // namespace cpu
+}  // namespace deform_conv
