@@ -65,8 +65,8 @@ def test_depthwise_with_channels_last_and_strided_inputs():
 def test_backward_is_bitwise_reproducible(groups):
     """Under torch.use_deterministic_algorithms(True) (which the CPU backward does not refuse) and with the same
     threads: the same bits, run after run (no atomics, fixed summation orders). The depthwise path has no
-    GEMM, and its sums do not depend on the number of threads either; the columns path leaves the GEMMs to
-    oneDNN, whose blocking follows the thread count."""
+    GEMM, and its sums do not depend on the number of threads either; on the columns path the bias gradient is
+    ATen's sum, and where oneDNN is off the GEMMs are ATen's too, whose splits follow the thread count."""
     case = make_case(torch.float32, batch=5, in_channels=8, out_channels=8, groups=groups, offset_groups=2,
                      kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1), size=(24, 20))
     threads = torch.get_num_threads()
@@ -171,18 +171,22 @@ def test_float32_forward_on_both_paths(shape, layout, onednn):
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
                     or not torch.backends.mkldnn.is_available(),
                     reason="the tiled forward needs oneDNN's batch-reduce GEMM, on x86 with AVX2")
-def test_float32_forward_takes_the_tiled_path():
-    """The tiled path runs no convolution of ATen; the driver's runs its GEMM as one."""
+def test_float32_layers_take_the_batch_reduce_gemm():
+    """The tiled forward runs no convolution of ATen, and the backward no mm: their GEMMs are the batch-reduce
+    GEMM's. With oneDNN off, the driver runs them as a convolution and mm per image."""
     case = make_case(torch.float32, **TILED_SHAPES["tiles_panels_depth_blocks"])
 
     def ops_run(onednn):
+        leaves = [t.detach().clone().requires_grad_() for t in case.tensors()]
         with torch.backends.mkldnn.flags(enabled=onednn), torch.profiler.profile() as profile:
-            case.call(ours, case.tensors())
+            case.call(ours, leaves).sum().backward()
         return {event.name for event in profile.events()}
 
+    gemms = {"aten::conv2d", "aten::mm", "aten::addmm_", "aten::addmm"}
     tiled, driver = ops_run(True), ops_run(False)
-    assert "deform_conv::deform_conv2d" in tiled and "aten::conv2d" not in tiled
-    assert "aten::conv2d" in driver
+    assert {"deform_conv::deform_conv2d", "deform_conv::deform_conv2d_backward"} <= tiled
+    assert not gemms & tiled, gemms & tiled
+    assert {"aten::conv2d", "aten::mm"} <= driver
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -199,3 +203,37 @@ def test_tiled_forward_does_not_depend_on_the_thread_count(batch):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outputs[0], outputs[1])
+
+
+# The backward's GEMMs on the batch-reduce GEMM (cpu/brgemm.cpp), for the same float32 layers; with oneDNN off,
+# ATen's mm per image and group.
+BACKWARD_SHAPES = {
+    # 576 output pixels: the weight gradient sums them in depth blocks of 512 and 64, the columns' gradient runs
+    # on tiles of 128 pixels and one of 64; 72 output channels, in blocks of 32, 32 and 8; 576 weight columns in
+    # 9 panels; 1.3 MiB of columns per image, so the 7 images come in chunks of 6 and 1.
+    "blocks_tiles_chunks": dict(batch=7, in_channels=64, out_channels=72, size=(24, 24), kernel=(3, 3),
+                                stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=1, offset_groups=2),
+    "groups": TILED_SHAPES["groups"],
+    "awkward_geometry": dict(),
+}
+
+
+def _gradients(fn, case, tensors):
+    """Output and gradients for a grad_output of scale 1/sqrt(batch * pixels): the weight's gradient, a sum over
+    every image and pixel, is then of order 1 like the output, where the float32 tolerance holds."""
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    out = case.call(fn, leaves)
+    grad_output = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    grad_output = (grad_output / (out.shape[0] * out.shape[2] * out.shape[3]) ** 0.5).to(out.dtype)
+    return [out.detach(), *torch.autograd.grad(out, leaves, grad_output)]
+
+
+@ignore_tf32_warning
+@pytest.mark.parametrize("shape", list(BACKWARD_SHAPES), ids=list(BACKWARD_SHAPES))
+@pytest.mark.parametrize("onednn", [True, False], ids=["brgemm", "driver"])
+def test_float32_backward_on_both_paths(shape, onednn):
+    case = _network_scale(make_case(torch.float32, **BACKWARD_SHAPES[shape]))
+    with torch.backends.mkldnn.flags(enabled=onednn):
+        got = _gradients(ours, case, case.tensors())
+    exact = [t.float() for t in _gradients(reference, case, [t.double() for t in case.tensors()])]
+    assert_all_close(got, exact, torch.float32)

@@ -135,13 +135,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
       const int64_t images = std::min(chunk, p.batch - first);
       at::Tensor chunk_columns = columns.narrow(0, 0, images);
       passes.fill_columns(p, tensors, first, images, chunk_columns);
-      // Image by image and group by group, with plain GEMMs into buffers that exist already (no temporaries of
+      const bool gemms_done = passes.backward_gemms != nullptr &&
+                              passes.backward_gemms(p, grad_output, first, images, weight_matrix, chunk_columns,
+                                                    grad_weights);
+      // Otherwise image by image and group by group, with plain GEMMs into buffers that exist already (no temporaries of
       // the columns' size, except that for the half types add_product makes a float product of a weight group's
       // size, and before torch 2.8 widens the image's columns of the group too): first the weight's gradient,
       // accumulated in place,
       // [C_out/G, H_out*W_out] x [H_out*W_out, taps * C_in/G]; then, as the columns are no longer needed, their
       // gradient overwrites them, [H_out*W_out, C_out/G] x [C_out/G, taps * C_in/G].
-      for (int64_t n = 0; n < images; ++n) {
+      for (int64_t n = 0; n < images && !gemms_done; ++n) {
         const at::Tensor grad_out_n = grad_output[first + n].reshape({p.out_channels, p.out_pixels()});
         at::Tensor columns_n = chunk_columns[n].permute({1, 2, 0}).view({p.out_pixels(), p.groups * per_group});
         for (int64_t g = 0; g < p.groups; ++g) {

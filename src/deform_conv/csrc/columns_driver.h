@@ -34,6 +34,11 @@ struct SamplingPasses {
   // The forward's GEMM as a 1x1 convolution (oneDNN on the CPU: faster than BLAS there), or as plain GEMMs
   // (on CUDA: cuDNN would use TF32 for float32 by default, cuBLAS follows torch's matmul setting, off).
   bool gemm_as_convolution;
+  // The backward's GEMMs for images [first, first + images), where the backend has a faster way than the
+  // driver's ATen mm per image and group: grad_weights [C_out, taps * C_in/G] += grad_output x columns, then
+  // the columns overwritten by their gradient. Returns false to leave them to the driver; nullptr: always.
+  bool (*backward_gemms)(const ConvParams&, const at::Tensor& grad_output, int64_t first, int64_t images,
+                         const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights);
   // A channels-last tensor of `sizes` for one of the driver's internal buffers, valid until this thread asks
   // for the same slot again; nullptr: a fresh at::empty each time.
   at::Tensor (*scratch)(ScratchSlot slot, at::IntArrayRef sizes, const at::TensorOptions& options);

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "../columns_driver.h"
+#include "brgemm.h"
 #include "depthwise.h"
 #include "sampling_passes.h"
 #include "scratch.h"
@@ -44,10 +45,18 @@ void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, in
   });
 }
 
+// The backward's GEMMs on the batch-reduce GEMM (brgemm.h) for the layers the tiled forward serves; the others
+// (float64, or a weight too large for tiles of 32 pixels) keep the driver's.
+bool tiled_backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
+                          const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights) {
+  return tiled_forward_applies(p, columns) &&
+         backward_gemms(p, grad_output, first, images, weight_matrix, columns, grad_weights);
+}
+
 // 8 MiB of columns per chunk (at least one image): written by the sampling pass and read by the GEMM while
 // still in cache. The buffers live in per-thread scratch memory (scratch.h), kept from call to call.
 constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(8) << 20, /*gemm_as_convolution=*/true,
-                                 scratch};
+                                 tiled_backward_gemms, scratch};
 
 // float16 and bfloat16 (e.g. under CPU autocast) are computed in float32 -- the kernels accumulate in fp32
 // anyway -- and each result is rounded once to the input's dtype.

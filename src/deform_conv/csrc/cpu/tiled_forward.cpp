@@ -1,12 +1,11 @@
 #include "tiled_forward.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Context.h>
 #include <ATen/Parallel.h>
-#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 
+#include "brgemm.h"
 #include "sampling_passes.h"
 #include "sampling_point.h"
 #include "scratch.h"
@@ -23,50 +22,10 @@ constexpr int64_t kTileBytes = int64_t(512) << 10;
 // at 3x3, 18 KiB of columns per pixel, ran 2.3x slower than on the driver's path with 14-pixel tiles); such
 // layers take the driver's path, whose GEMM covers whole images.
 constexpr int64_t kMinTilePixels = 32;
-// Rows of the weight per GEMM: a panel's 512 x 64 floats (128 KiB) stay in L2 next to the tile's columns.
-constexpr int64_t kDepthBlock = 512;
 // Output channels per GEMM: four AVX-512 vectors of float32.
 constexpr int64_t kPanelWidth = 64;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// product[M, N] (leading dimension ld_c) = a[M, K] x b[K, N], row-major, on the calling thread alone.
-void product_on_this_thread(int64_t m, int64_t n, int64_t k, int64_t ld_a, int64_t ld_b, int64_t ld_c, const float* a,
-                            const float* b, float* product, bool add = false) {
-#ifdef CPUBLAS_BRGEMM_F32F32F32
-  at::native::cpublas::brgemm(m, n, k, ld_a, ld_b, ld_c, /*add_C=*/add, a, b, product, /*is_vnni=*/false);
-#else
-  TORCH_CHECK(false, "deform_conv: tiled_forward needs ATen's batch-reduce GEMM (tiled_forward_applies is false)");
-#endif
-}
-
-void release_gemm_context() {
-#ifdef CPUBLAS_BRGEMM_F32F32F32
-  at::native::cpublas::brgemm_release(/*is_vnni=*/false);
-#endif
-}
-
-bool batch_reduce_gemm_works() {
-#ifdef CPUBLAS_BRGEMM_F32F32F32
-  // ATen's brgemm raises where oneDNN has no such kernel for this CPU, and where oneDNN is turned off
-  // (torch.backends.mkldnn.enabled = False), which may change at any time.
-  if (!at::globalContext().userEnabledMkldnn()) return false;
-  static const bool works = [] {
-    try {
-      const float a = 2, b = 3;
-      float c = 0;
-      product_on_this_thread(1, 1, 1, 1, 1, 1, &a, &b, &c);
-      release_gemm_context();
-      return c == 6.f;
-    } catch (const c10::Error&) {
-      return false;
-    }
-  }();
-  return works;
-#else
-  return false;
-#endif
-}
 
 // Output pixels of an image are cut into `tiles` tiles of `pixels` (the last one may be shorter).
 struct Tiling {
@@ -101,20 +60,6 @@ DC_CPU_DISPATCH void store_transposed(const float* tile, int64_t len, int64_t ch
       } else {
         for (int64_t i = 0; i < block; ++i) dst[i] = src[i * channels];
       }
-    }
-  }
-}
-
-// dst[pixel, c] = src[c, pixel]: one image from channels-first to channels-last. In blocks of 16 pixels, whose
-// rows of dst stay in the L1 cache while every channel writes them.
-DC_CPU_DISPATCH void to_channels_last(const float* src, int64_t channels, int64_t pixels, float* dst) {
-  constexpr int64_t kBlock = 16;
-  for (int64_t i0 = 0; i0 < pixels; i0 += kBlock) {
-    const int64_t block = std::min(kBlock, pixels - i0);
-    for (int64_t c = 0; c < channels; ++c) {
-      const float* __restrict__ from = src + c * pixels + i0;
-      float* __restrict__ to = dst + i0 * channels + c;
-      for (int64_t i = 0; i < block; ++i) to[i * channels] = from[i];
     }
   }
 }
@@ -193,7 +138,7 @@ at::Tensor tiled_forward(const ConvParams& p, const at::Tensor& input, const at:
       const int64_t n = task / tiles.tiles, first = task % tiles.tiles * tiles.pixels;
       const int64_t len = std::min(tiles.pixels, pixels - first);
       if (turn_per_thread && n != turned_image) {
-        to_channels_last(images + n * image_size, p.in_channels, p.height * p.width, turned);
+        transpose(images + n * image_size, p.in_channels, p.height * p.width, p.height * p.width, turned);
         turned_image = n;
       }
       // Image n alone, as image 0.
@@ -201,16 +146,13 @@ at::Tensor tiled_forward(const ConvParams& p, const at::Tensor& input, const at:
                                      offsets + p.offset_index(n, 0, 0, 0),
                                      masks != nullptr ? masks + p.mask_index(n, 0, 0, 0) : nullptr};
       fill_column_rows(p, in, /*first_image=*/0, first, first + len, columns);
-      // product[:, group g's panel] = columns[:, group g] x panel, summed over blocks of kDepthBlock rows.
+      // product[:, group g's panel] = columns[:, group g] x panel
       for (int64_t g = 0; g < p.groups; ++g) {
         for (int64_t c = 0; c < out_per_group; c += kPanelWidth) {
           const int64_t width = std::min(kPanelWidth, out_per_group - c);
-          const float* panel = weights + (g * out_per_group + c) * per_group;
-          for (int64_t k = 0; k < per_group; k += kDepthBlock) {
-            product_on_this_thread(len, width, std::min(kDepthBlock, per_group - k), /*ld_a=*/row_size,
-                                   /*ld_b=*/width, /*ld_c=*/p.out_channels, columns + g * per_group + k,
-                                   panel + k * width, product + g * out_per_group + c, /*add=*/k > 0);
-          }
+          gemm_on_this_thread(len, width, per_group, columns + g * per_group, row_size,
+                              weights + (g * out_per_group + c) * per_group, width, product + g * out_per_group + c,
+                              p.out_channels, /*accumulate=*/false);
         }
       }
       store_transposed(product, len, p.out_channels, bias_ptr, pixels, out + n * p.out_channels * pixels + first);

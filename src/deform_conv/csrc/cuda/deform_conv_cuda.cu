@@ -235,7 +235,7 @@ void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, in
 
 // 256 MiB of columns per chunk: large enough that the GEMMs fill the GPU.
 constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(256) << 20, /*gemm_as_convolution=*/false,
-                                 /*scratch=*/nullptr};  // the caching allocator reuses device memory already
+                                 /*backward_gemms=*/nullptr, /*scratch=*/nullptr};  // the caching allocator reuses device memory already
 
 at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
                    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,

@@ -1,0 +1,149 @@
+#include "brgemm.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+
+#include "sampling_point.h"
+#include "scratch.h"
+
+namespace deform_conv {
+namespace cpu {
+namespace {
+
+// Rows of b per call: a 64-column panel of them (128 KiB) stays in L2 next to the rows of a.
+constexpr int64_t kDepthBlock = 512;
+
+// The grad_weights GEMM's tasks: blocks of this many output channels by panels of this many weight columns.
+constexpr int64_t kWeightRowBlock = 32;
+constexpr int64_t kWeightPanel = 64;
+
+// The columns-gradient GEMM's tasks: tiles of this many pixels.
+constexpr int64_t kPixelTile = 128;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+void gemm_block(int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a, const float* b, int64_t ld_b, float* c,
+                int64_t ld_c, bool accumulate) {
+#ifdef CPUBLAS_BRGEMM_F32F32F32
+  at::native::cpublas::brgemm(m, n, k, ld_a, ld_b, ld_c, /*add_C=*/accumulate, a, b, c, /*is_vnni=*/false);
+#else
+  TORCH_CHECK(false, "deform_conv: ATen has no float32 batch-reduce GEMM (batch_reduce_gemm_works is false)");
+#endif
+}
+
+// In blocks of 16 columns of src: their rows of dst stay in the L1 cache while every row of src fills them.
+DC_CPU_DISPATCH void transpose_in_blocks(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst) {
+  constexpr int64_t kBlock = 16;
+  for (int64_t j0 = 0; j0 < cols; j0 += kBlock) {
+    const int64_t block = std::min(kBlock, cols - j0);
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* __restrict__ from = src + i * ld_src + j0;
+      float* __restrict__ to = dst + j0 * rows + i;
+      for (int64_t j = 0; j < block; ++j) to[j * rows] = from[j];
+    }
+  }
+}
+
+}  // namespace
+
+bool batch_reduce_gemm_works() {
+#ifdef CPUBLAS_BRGEMM_F32F32F32
+  // ATen's brgemm raises where oneDNN has no such kernel for this CPU, and where oneDNN is turned off.
+  if (!at::globalContext().userEnabledMkldnn()) return false;
+  static const bool works = [] {
+    try {
+      const float a = 2, b = 3;
+      float c = 0;
+      gemm_block(1, 1, 1, &a, 1, &b, 1, &c, 1, /*accumulate=*/false);
+      release_gemm_context();
+      return c == 6.f;
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  return works;
+#else
+  return false;
+#endif
+}
+
+void gemm_on_this_thread(int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a, const float* b,
+                         int64_t ld_b, float* c, int64_t ld_c, bool accumulate) {
+  if (k == 0 && !accumulate) {
+    for (int64_t i = 0; i < m; ++i) std::fill(c + i * ld_c, c + i * ld_c + n, 0.f);
+    return;
+  }
+  for (int64_t k0 = 0; k0 < k; k0 += kDepthBlock) {
+    gemm_block(m, n, std::min(kDepthBlock, k - k0), a + k0, ld_a, b + k0 * ld_b, ld_b, c, ld_c, accumulate || k0 > 0);
+  }
+}
+
+void release_gemm_context() {
+#ifdef CPUBLAS_BRGEMM_F32F32F32
+  at::native::cpublas::brgemm_release(/*is_vnni=*/false);
+#endif
+}
+
+void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst) {
+  transpose_in_blocks(src, rows, cols, ld_src, dst);
+}
+
+bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
+                    const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights) {
+  if (grad_output.scalar_type() != at::kFloat || grad_weights.scalar_type() != at::kFloat ||
+      !batch_reduce_gemm_works()) {
+    return false;
+  }
+  const at::Tensor grad_out_c = grad_output.narrow(0, first, images).contiguous();  // [images, C_out, pixels]
+  const at::Tensor weight_c = weight_matrix.contiguous();                           // [C_out, taps * C_in/G]
+  const float* grad_out = grad_out_c.const_data_ptr<float>();
+  const float* weight = weight_c.const_data_ptr<float>();
+  float* cols = columns.mutable_data_ptr<float>();      // [images, pixels, groups, taps * C_in/G]
+  float* grad_w = grad_weights.mutable_data_ptr<float>();  // [C_out, taps * C_in/G]
+  const int64_t pixels = p.out_pixels(), row = p.taps() * p.in_channels;
+  const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
+
+  // grad_weights[c, k] += sum over images n and pixels of grad_output[n, c, pixel] * columns[n, pixel, g, k],
+  // for output channel c of group g. Each task owns a block of rows and a panel of columns of grad_weights.
+  const int64_t row_blocks = ceil_div(out_per_group, kWeightRowBlock), panels = ceil_div(per_group, kWeightPanel);
+  at::parallel_for(0, p.groups * row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task / (row_blocks * panels), c0 = g * out_per_group + task / panels % row_blocks * kWeightRowBlock;
+      const int64_t k0 = task % panels * kWeightPanel;
+      const int64_t rows = std::min(kWeightRowBlock, (g + 1) * out_per_group - c0);
+      const int64_t width = std::min(kWeightPanel, per_group - k0);
+      for (int64_t n = 0; n < images; ++n) {
+        gemm_on_this_thread(rows, width, pixels, grad_out + (n * p.out_channels + c0) * pixels, pixels,
+                            cols + n * pixels * row + g * per_group + k0, row, grad_w + c0 * per_group + k0,
+                            per_group, /*accumulate=*/true);
+      }
+    }
+    release_gemm_context();
+  });
+
+  // columns[n, pixel, g, :] = sum over output channels c of group g of grad_output[n, c, pixel] * weight[c, :].
+  // Each task owns a tile of pixels of one image, whose grad_output it first turns to [pixel, C_out].
+  const int64_t tiles = ceil_div(pixels, kPixelTile);
+  at::parallel_for(0, images * tiles, 1, [&](int64_t begin, int64_t end) {
+    float* turned = static_cast<float*>(scratch_bytes(ScratchSlot::tile, kPixelTile * p.out_channels * int64_t(sizeof(float))));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / tiles, first_pixel = task % tiles * kPixelTile;
+      const int64_t len = std::min(kPixelTile, pixels - first_pixel);
+      transpose(grad_out + n * p.out_channels * pixels + first_pixel, p.out_channels, len, pixels, turned);
+      for (int64_t g = 0; g < p.groups; ++g) {
+        gemm_on_this_thread(len, per_group, out_per_group, turned + g * out_per_group, p.out_channels,
+                            weight + g * out_per_group * per_group, per_group,
+                            cols + (n * pixels + first_pixel) * row + g * per_group, row, /*accumulate=*/false);
+      }
+    }
+    release_gemm_context();
+  });
+  return true;
+}
+
+}  // namespace cpu
+}  // namespace deform_conv

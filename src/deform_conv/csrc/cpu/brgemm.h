@@ -1,0 +1,40 @@
+// GEMMs on ATen's batch-reduce GEMM for float32 (at::native::cpublas::brgemm: oneDNN's microkernels, each call
+// on the calling thread alone), and the CPU backward's GEMMs built from it. Called per tile from our own parallel
+// loops, they find their operands in cache; on the 2-core EPYC of the benchmarks they reach about 110 GFLOP/s
+// per core, where MKL's sgemm reaches 80-95.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "../conv_params.h"
+
+namespace deform_conv {
+namespace cpu {
+
+// Whether the GEMM is there: ATen built with it, a CPU oneDNN has the kernels for (x86 with AVX2), and oneDNN
+// enabled (torch.backends.mkldnn.enabled, which may change between calls).
+bool batch_reduce_gemm_works();
+
+// c[m, n] = a[m, k] x b[k, n] (or c += with `accumulate`), row-major with leading dimensions ld_*, on the calling
+// thread. k is summed in blocks of 512 rows of b, each block's sum added to c in order.
+void gemm_on_this_thread(int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a, const float* b,
+                         int64_t ld_b, float* c, int64_t ld_c, bool accumulate);
+
+// Frees a thread's GEMM state (AMX tile configurations; nothing elsewhere): once its run of GEMMs ends.
+void release_gemm_context();
+
+// dst[j, i] = src[i, j] for i < rows, j < cols; src rows are ld_src apart, dst is [cols, rows] contiguous.
+void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst);
+
+// The backward's GEMMs for images [first, first + images) of a float32 layer, when the GEMM is there:
+// grad_weights [C_out, taps * C_in/G] += each group's
+// grad_output x its columns; then the columns [images, out_pixels, taps * C_in] are overwritten by their
+// gradient, each group's grad_output transposed x its weight. Deterministic: every element is summed by one
+// task in a fixed order, whatever the thread count. Returns false, doing nothing, where it does not apply.
+bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
+                    const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights);
+
+}  // namespace cpu
+}  // namespace deform_conv
