@@ -1,8 +1,9 @@
 // The device-independent part of the op: lay out the tensors, walk the batch in chunks, and run the GEMMs
 // through ATen: the forward's as a 1x1 convolution over the columns on the CPU (oneDNN) and as plain GEMMs on
-// the GPU (cuBLAS), the backward's as plain GEMMs into buffers that exist already. Each backend supplies only its
-// three passes over the sampling points (SamplingPasses); the column layout they share is
-// ConvParams::column_index.
+// the GPU (cuBLAS), the backward's as plain GEMMs into buffers that exist already, unless the backend runs them
+// itself (SamplingPasses::backward_gemms). Each backend supplies its three passes over the sampling points
+// (SamplingPasses); the column layout they share is ConvParams::column_index. (On the CPU most float32 forwards
+// take a path of their own, cpu/tiled_forward.h.)
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,6 +1,7 @@
 // CPU backend: the three sampling passes (sampling_passes.cpp), dispatched over float32/float64, behind the shared
-// chunk-and-GEMM driver; depthwise layers take their own path without GEMMs (depthwise.cpp); the half types
-// run through float32.
+// chunk-and-GEMM driver; float32 forwards whose tiles hold 32 pixels fuse sampling and GEMM per tile
+// (tiled_forward.cpp), and their backward's GEMMs run on the batch-reduce GEMM (brgemm.cpp); depthwise layers
+// take their own path without GEMMs (depthwise.cpp); the half types run through float32.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
