@@ -6,8 +6,8 @@ CSRC_DIR = "csrc"  # relative to the package directory
 # The CPU library holds every schema (ops.cpp) and the CPU kernels.
 CPU_SOURCES = (
     "ops.cpp", "conv_params.cpp", "columns_driver.cpp",
-    "cpu/sampling_passes.cpp", "cpu/scratch.cpp", "cpu/depthwise.cpp", "cpu/brgemm.cpp", "cpu/tiled_forward.cpp",
-    "cpu/deform_conv_cpu.cpp",
+    "cpu/sampling_passes.cpp", "cpu/scratch.cpp", "cpu/depthwise.cpp", "cpu/transpose.cpp", "cpu/brgemm.cpp",
+    "cpu/tiled_forward.cpp", "cpu/deform_conv_cpu.cpp",
 )
 
 # The CUDA library holds only CUDA kernels; it is loaded after the CPU library, whose schemas it implements.

@@ -7,8 +7,8 @@
 
 #include <algorithm>
 
-#include "sampling_point.h"
 #include "scratch.h"
+#include "transpose.h"
 
 namespace deform_conv {
 namespace cpu {
@@ -33,19 +33,6 @@ void gemm_block(int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a, c
 #else
   TORCH_CHECK(false, "deform_conv: ATen has no float32 batch-reduce GEMM (batch_reduce_gemm_works is false)");
 #endif
-}
-
-// In blocks of 16 columns of src: their rows of dst stay in the L1 cache while every row of src fills them.
-DC_CPU_DISPATCH void transpose_in_blocks(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst) {
-  constexpr int64_t kBlock = 16;
-  for (int64_t j0 = 0; j0 < cols; j0 += kBlock) {
-    const int64_t block = std::min(kBlock, cols - j0);
-    for (int64_t i = 0; i < rows; ++i) {
-      const float* __restrict__ from = src + i * ld_src + j0;
-      float* __restrict__ to = dst + j0 * rows + i;
-      for (int64_t j = 0; j < block; ++j) to[j * rows] = from[j];
-    }
-  }
 }
 
 }  // namespace
@@ -86,10 +73,6 @@ void release_gemm_context() {
 #ifdef CPUBLAS_BRGEMM_F32F32F32
   at::native::cpublas::brgemm_release(/*is_vnni=*/false);
 #endif
-}
-
-void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst) {
-  transpose_in_blocks(src, rows, cols, ld_src, dst);
 }
 
 bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
@@ -133,7 +116,8 @@ bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / tiles, first_pixel = task % tiles * kPixelTile;
       const int64_t len = std::min(kPixelTile, pixels - first_pixel);
-      transpose(grad_out + n * p.out_channels * pixels + first_pixel, p.out_channels, len, pixels, turned);
+      transpose(grad_out + n * p.out_channels * pixels + first_pixel, p.out_channels, len, pixels, turned,
+                p.out_channels);
       for (int64_t g = 0; g < p.groups; ++g) {
         gemm_on_this_thread(len, per_group, out_per_group, turned + g * out_per_group, p.out_channels,
                             weight + g * out_per_group * per_group, per_group,

@@ -25,9 +25,6 @@ void gemm_on_this_thread(int64_t m, int64_t n, int64_t k, const float* a, int64_
 // Frees a thread's GEMM state (AMX tile configurations; nothing elsewhere): once its run of GEMMs ends.
 void release_gemm_context();
 
-// dst[j, i] = src[i, j] for i < rows, j < cols; src rows are ld_src apart, dst is [cols, rows] contiguous.
-void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst);
-
 // The backward's GEMMs for images [first, first + images) of a float32 layer, when the GEMM is there:
 // grad_weights [C_out, taps * C_in/G] += each group's
 // grad_output x its columns; then the columns [images, out_pixels, taps * C_in] are overwritten by their

@@ -7,8 +7,8 @@
 
 #include "brgemm.h"
 #include "sampling_passes.h"
-#include "sampling_point.h"
 #include "scratch.h"
+#include "transpose.h"
 
 namespace deform_conv {
 namespace cpu {
@@ -41,27 +41,6 @@ Tiling tiling(const ConvParams& p) {
   const int64_t most = std::max<int64_t>(1, kTileBytes / tile_bytes_per_pixel(p));
   const int64_t tiles = ceil_div(p.out_pixels(), most);
   return {ceil_div(p.out_pixels(), tiles), tiles};
-}
-
-// output[c, i] = tile[i, c] (+ bias[c]) for the tile's `len` pixels; output points at the tile's first pixel
-// of channel 0 of its image, channels `pixels` apart. Without a bias nothing is added (0 + -0 would be +0).
-// In blocks of 16 pixels: their rows of the tile stay in the L1 cache while every channel reads them.
-DC_CPU_DISPATCH void store_transposed(const float* tile, int64_t len, int64_t channels, const float* bias,
-                                      int64_t pixels, float* output) {
-  constexpr int64_t kBlock = 16;
-  for (int64_t i0 = 0; i0 < len; i0 += kBlock) {
-    const int64_t block = std::min(kBlock, len - i0);
-    for (int64_t c = 0; c < channels; ++c) {
-      const float* __restrict__ src = tile + i0 * channels + c;
-      float* __restrict__ dst = output + c * pixels + i0;
-      if (bias != nullptr) {
-        const float b = bias[c];
-        for (int64_t i = 0; i < block; ++i) dst[i] = src[i * channels] + b;
-      } else {
-        for (int64_t i = 0; i < block; ++i) dst[i] = src[i * channels];
-      }
-    }
-  }
 }
 
 // The input in channels-last memory: itself if it is already, else a copy in this thread's scratch memory.
@@ -138,7 +117,8 @@ at::Tensor tiled_forward(const ConvParams& p, const at::Tensor& input, const at:
       const int64_t n = task / tiles.tiles, first = task % tiles.tiles * tiles.pixels;
       const int64_t len = std::min(tiles.pixels, pixels - first);
       if (turn_per_thread && n != turned_image) {
-        transpose(images + n * image_size, p.in_channels, p.height * p.width, p.height * p.width, turned);
+        transpose(images + n * image_size, p.in_channels, p.height * p.width, p.height * p.width, turned,
+                  p.in_channels);
         turned_image = n;
       }
       // Image n alone, as image 0.
@@ -155,7 +135,9 @@ at::Tensor tiled_forward(const ConvParams& p, const at::Tensor& input, const at:
                               p.out_channels, /*accumulate=*/false);
         }
       }
-      store_transposed(product, len, p.out_channels, bias_ptr, pixels, out + n * p.out_channels * pixels + first);
+      // The product [len, C_out] into output[n, :, first : first + len], with the bias.
+      transpose(product, len, p.out_channels, p.out_channels, out + n * p.out_channels * pixels + first, pixels,
+                bias_ptr);
     }
     release_gemm_context();
   });

@@ -1,0 +1,15 @@
+// Turning a matrix over, as the CPU paths do between channels-first and channels-last layouts.
+#pragma once
+
+#include <cstdint>
+
+namespace deform_conv {
+namespace cpu {
+
+// dst[j * ld_dst + i] = src[i * ld_src + j] (+ add[j]) for i < rows, j < cols. `add` holds one value per row of
+// dst; with nullptr nothing is added (adding 0 would turn -0 into +0).
+void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst, int64_t ld_dst,
+               const float* add = nullptr);
+
+}  // namespace cpu
+}  // namespace deform_conv
