@@ -61,16 +61,22 @@ def test_depthwise_with_channels_last_and_strided_inputs():
     assert_all_close(output_and_grads(ours, case, strided), output_and_grads(reference, case), torch.float64)
 
 
+# Where the float32 layers' GEMMs run on the batch-reduce GEMM (cpu/brgemm.cpp: batch_reduce_gemm_works).
+BATCH_REDUCE_GEMM = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+                     and torch.backends.mkldnn.is_available())
+
+
 @pytest.mark.parametrize("groups", [1, 8], ids=["columns", "depthwise"])
 def test_backward_is_bitwise_reproducible(groups):
     """Under torch.use_deterministic_algorithms(True) (which the CPU backward does not refuse) and with the same
-    threads: the same bits, run after run (no atomics, fixed summation orders). The depthwise path has no
-    GEMM, and its sums do not depend on the number of threads either; on the columns path the bias gradient is
-    ATen's sum, and where oneDNN is off the GEMMs are ATen's too, whose splits follow the thread count."""
+    threads: the same bits, run after run (no atomics, fixed summation orders). The depthwise path has no GEMM,
+    and its sums do not depend on the number of threads either; nor do the float32 columns path's, where its
+    GEMMs run on the batch-reduce GEMM in tasks that each own their results. ATen's GEMMs, where it does not,
+    split their sums by thread count."""
     case = make_case(torch.float32, batch=5, in_channels=8, out_channels=8, groups=groups, offset_groups=2,
                      kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1), size=(24, 20))
     threads = torch.get_num_threads()
-    counts = (threads, threads, 1) if groups == 8 else (threads, threads)
+    counts = (threads, threads, 1) if groups == 8 or BATCH_REDUCE_GEMM else (threads, threads)
     torch.use_deterministic_algorithms(True)
     try:
         runs = []
@@ -90,7 +96,7 @@ def test_scratch_is_kept_between_calls_and_bounded():
     case = make_case(torch.float32, batch=2, size=(30, 28))
     output_and_grads(ours, case)
     after_first = kept()
-    assert after_first > 0  # the column buffer and the channels-last input copy of this thread
+    assert after_first > 0  # the column buffer, the channels-last input copy, the workers' tiles
     output_and_grads(ours, case)
     assert kept() == after_first  # reused, not grown
     # A column buffer over 32 MiB is allocated afresh each time, not kept: 1x1 kernel, 400 x 400 x 64 doubles
@@ -103,14 +109,15 @@ def test_scratch_is_kept_between_calls_and_bounded():
     assert kept() == after_first
 
 
-def test_threads_calling_at_once_each_use_their_own_scratch():
-    cases = [make_case(torch.float64, batch=2, seed=seed) for seed in range(6)]
+@pytest.mark.parametrize("dtype_", [torch.float64, torch.float32], ids=["driver", "tiled"])
+def test_threads_calling_at_once_each_use_their_own_scratch(dtype_):
+    cases = [make_case(dtype_, batch=2, seed=seed) for seed in range(6)]
     expected = [output_and_grads(ours, case) for case in cases]
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
         got = list(pool.map(lambda case: output_and_grads(ours, case), cases * 3))
     # Shared scratch would give garbage; the tolerance only allows for GEMMs that split their sums by thread count.
     for i, results in enumerate(got):
-        assert_all_close(results, expected[i % len(cases)], torch.float64)
+        assert_all_close(results, expected[i % len(cases)], dtype_)
 
 
 # The tiled float32 forward (cpu/tiled_forward.cpp) serves every float32 layer whose tile holds 32 pixels, where
@@ -126,6 +133,10 @@ TILED_SHAPES = {
     # One image: fewer images than threads, so the input is turned to channels-last up front.
     "one_image": dict(batch=1, in_channels=64, out_channels=72, size=(16, 16), kernel=(3, 3), stride=(1, 1),
                       padding=(1, 1), dilation=(1, 1), groups=1, offset_groups=2),
+    # 2 groups of 64 input channels (576 weight rows each, in depth blocks) and of 80 output channels (panels
+    # of 64 and 16): group and panel offsets both nonzero.
+    "groups_wide": dict(batch=3, in_channels=128, out_channels=160, size=(12, 11), kernel=(3, 3), stride=(1, 1),
+                        padding=(1, 1), dilation=(1, 1), groups=2, offset_groups=2),
     "awkward_geometry": dict(),
     "no_mask_no_bias": dict(with_mask=False, with_bias=False),
 }
@@ -168,9 +179,7 @@ def test_float32_forward_on_both_paths(shape, layout, onednn):
 
 
 @ignore_tf32_warning
-@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
-                    or not torch.backends.mkldnn.is_available(),
-                    reason="the tiled forward needs oneDNN's batch-reduce GEMM, on x86 with AVX2")
+@pytest.mark.skipif(not BATCH_REDUCE_GEMM, reason="the tiled paths need oneDNN's batch-reduce GEMM, on x86 with AVX2")
 def test_float32_layers_take_the_batch_reduce_gemm():
     """The tiled forward runs no convolution of ATen, and the backward no mm: their GEMMs are the batch-reduce
     GEMM's. With oneDNN off, the driver runs them as a convolution and mm per image."""
@@ -214,6 +223,10 @@ BACKWARD_SHAPES = {
     "blocks_tiles_chunks": dict(batch=7, in_channels=64, out_channels=72, size=(24, 24), kernel=(3, 3),
                                 stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=1, offset_groups=2),
     "groups": TILED_SHAPES["groups"],
+    "groups_wide": TILED_SHAPES["groups_wide"],
+    # 520 output channels: the columns' gradient sums them in depth blocks of 512 and 8.
+    "many_outputs": dict(batch=2, in_channels=64, out_channels=520, size=(10, 10), kernel=(3, 3), stride=(1, 1),
+                         padding=(1, 1), dilation=(1, 1), groups=1, offset_groups=1),
     "awkward_geometry": dict(),
 }
 
@@ -237,3 +250,35 @@ def test_float32_backward_on_both_paths(shape, onednn):
         got = _gradients(ours, case, case.tensors())
     exact = [t.float() for t in _gradients(reference, case, [t.double() for t in case.tensors()])]
     assert_all_close(got, exact, torch.float32)
+
+
+def test_tiled_forward_with_an_image_split_between_two_threads():
+    """2 threads, 3 images of 2 tiles: the first thread takes image 0 and the first tile of image 1, the second
+    the rest; both turn image 1 to channels-last."""
+    case = _network_scale(make_case(torch.float32, **TILED_SHAPES["tiles_panels_depth_blocks"]))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out = case.call(ours, case.tensors())
+    finally:
+        torch.set_num_threads(threads)
+    assert_all_close([out], [_exact_output(case)], torch.float32)
+
+
+def test_float32_paths_with_strided_tensors_and_an_expanded_grad_output():
+    """Every tensor in a layout of its own, and the stride-0 grad_output of a scaled sum()."""
+    case = _network_scale(make_case(torch.float32, **TILED_SHAPES["groups"]))
+    strided = [case.input.contiguous(memory_format=torch.channels_last),
+               case.offset.transpose(2, 3).contiguous().transpose(2, 3),
+               case.weight.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2),
+               torch.stack([case.bias, case.bias], 1)[:, 0],
+               case.mask.transpose(2, 3).contiguous().transpose(2, 3)]
+    assert not any(t.is_contiguous() for t in strided[1:])
+
+    def grads(tensors, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in tensors]
+        out = case.call(ours if dtype == torch.float32 else reference, leaves)
+        (out.sum() / out[:, 0].numel()).backward()
+        return [out.detach().float()] + [leaf.grad.float() for leaf in leaves]
+
+    assert_all_close(grads(strided, torch.float32), grads(case.tensors(), torch.float64), torch.float32)

@@ -18,7 +18,8 @@ namespace deform_conv {
 struct SamplingTensors;
 
 // What the driver's scratch buffers are for (see SamplingPasses::scratch).
-// `tile`: the CPU's tiled forward (cpu/tiled_forward.h), one task's columns and output.
+// `tile`: the CPU's tiled passes (cpu/tiled_forward.h, cpu/brgemm.h): a task's columns and product, a worker's
+// channels-last image, a tile of grad_output.
 enum class ScratchSlot { columns = 0, channels_last_input = 1, tile = 2 };
 
 struct SamplingPasses {

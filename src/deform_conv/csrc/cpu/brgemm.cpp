@@ -3,9 +3,11 @@
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
+#include <string>
 
 #include "scratch.h"
 #include "transpose.h"
@@ -38,21 +40,16 @@ void gemm_block(int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a, c
 }  // namespace
 
 bool batch_reduce_gemm_works() {
-#ifdef CPUBLAS_BRGEMM_F32F32F32
-  // ATen's brgemm raises where oneDNN has no such kernel for this CPU, and where oneDNN is turned off.
-  if (!at::globalContext().userEnabledMkldnn()) return false;
-  static const bool works = [] {
-    try {
-      const float a = 2, b = 3;
-      float c = 0;
-      gemm_block(1, 1, 1, &a, 1, &b, 1, &c, 1, /*accumulate=*/false);
-      release_gemm_context();
-      return c == 6.f;
-    } catch (const c10::Error&) {
-      return false;
-    }
+#if defined(CPUBLAS_BRGEMM_F32F32F32) && (defined(__x86_64__) || defined(_M_X64))
+  // ATen's float32 brgemm runs oneDNN's microkernels where oneDNN is built in and enabled and the CPU has AVX2
+  // (ATen's own dispatch level, which ATEN_CPU_CAPABILITY may lower); elsewhere it falls back to one BLAS call
+  // per tile, a slow way to do a GEMM.
+  if (!at::hasMKLDNN() || !at::globalContext().userEnabledMkldnn()) return false;
+  static const bool wide_vectors = [] {
+    const std::string capability = at::get_cpu_capability();
+    return capability == "AVX2" || capability == "AVX512";
   }();
-  return works;
+  return wide_vectors;
 #else
   return false;
 #endif

@@ -13,8 +13,8 @@
 namespace deform_conv {
 namespace cpu {
 
-// Whether the GEMM is there: ATen built with it, a CPU oneDNN has the kernels for (x86 with AVX2), and oneDNN
-// enabled (torch.backends.mkldnn.enabled, which may change between calls).
+// Whether the GEMM runs on oneDNN's microkernels here: ATen built with it and with oneDNN, x86 with AVX2, and
+// oneDNN enabled (torch.backends.mkldnn.enabled, which may change between calls).
 bool batch_reduce_gemm_works();
 
 // c[m, n] = a[m, k] x b[k, n] (or c += with `accumulate`), row-major with leading dimensions ld_*, on the calling
@@ -22,7 +22,7 @@ bool batch_reduce_gemm_works();
 void gemm_on_this_thread(int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a, const float* b,
                          int64_t ld_b, float* c, int64_t ld_c, bool accumulate);
 
-// Frees a thread's GEMM state (AMX tile configurations; nothing elsewhere): once its run of GEMMs ends.
+// Frees a thread's GEMM state once its run of GEMMs ends, as ATen asks (float32 holds none today).
 void release_gemm_context();
 
 // The backward's GEMMs for images [first, first + images) of a float32 layer, when the GEMM is there:

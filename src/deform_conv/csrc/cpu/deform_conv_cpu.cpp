@@ -47,7 +47,7 @@ void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, in
 }
 
 // The backward's GEMMs on the batch-reduce GEMM (brgemm.h) for the layers the tiled forward serves; the others
-// (float64, or a weight too large for tiles of 32 pixels) keep the driver's.
+// (float64, or too many channels for tiles of 32 pixels) keep the driver's.
 bool tiled_backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
                           const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights) {
   return tiled_forward_applies(p, columns) &&

@@ -22,6 +22,9 @@ constexpr int64_t kTileBytes = int64_t(512) << 10;
 // at 3x3, 18 KiB of columns per pixel, ran 2.3x slower than on the driver's path with 14-pixel tiles); such
 // layers take the driver's path, whose GEMM covers whole images.
 constexpr int64_t kMinTilePixels = 32;
+// A thread turns the images it works on to channels-last itself when they are at most this large; it keeps the
+// buffer (scratch.h), so the bound is per worker thread.
+constexpr int64_t kMaxTurnedImageBytes = int64_t(4) << 20;
 // Output channels per GEMM: four AVX-512 vectors of float32.
 constexpr int64_t kPanelWidth = 64;
 
@@ -37,9 +40,11 @@ int64_t tile_bytes_per_pixel(const ConvParams& p) {
   return (p.taps() * p.in_channels + p.out_channels) * static_cast<int64_t>(sizeof(float));
 }
 
-Tiling tiling(const ConvParams& p) {
+// As large as kTileBytes allows, but small enough (down to kMinTilePixels) that every thread gets a tile.
+Tiling tiling(const ConvParams& p, int64_t threads) {
   const int64_t most = std::max<int64_t>(1, kTileBytes / tile_bytes_per_pixel(p));
-  const int64_t tiles = ceil_div(p.out_pixels(), most);
+  const int64_t enough = std::max(kMinTilePixels, ceil_div(p.out_pixels(), ceil_div(threads, p.batch)));
+  const int64_t tiles = ceil_div(p.out_pixels(), std::min(most, enough));
   return {ceil_div(p.out_pixels(), tiles), tiles};
 }
 
@@ -87,14 +92,14 @@ at::Tensor tiled_forward(const ConvParams& p, const at::Tensor& input, const at:
 
   const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
   const int64_t row_size = p.taps() * p.in_channels, pixels = p.out_pixels(), image_size = p.height * p.width * p.in_channels;
-  const Tiling tiles = tiling(p);
+  const Tiling tiles = tiling(p, at::get_num_threads());
   const int64_t tile_floats = (row_size + p.out_channels) * tiles.pixels;
 
   // Each thread turns the images it works on to channels-last itself, into a buffer that stays in its cache
   // (an image whose tiles two threads share is turned by both). That pays where most images are one thread's
   // alone; otherwise the input is turned once, up front, by all threads.
   const bool turn_per_thread = input.is_contiguous() && p.batch >= at::get_num_threads() &&
-                               (tile_floats + image_size) * int64_t(sizeof(float)) <= kMaxKeptScratchBytes;
+                               image_size * int64_t(sizeof(float)) <= kMaxTurnedImageBytes;
   const at::Tensor input_cl = turn_per_thread ? input : channels_last(input);
   const at::Tensor offset_c = offset.contiguous();
   const at::Tensor mask_c = mask.has_value() ? mask->contiguous() : at::Tensor();

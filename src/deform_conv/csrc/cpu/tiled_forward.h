@@ -1,5 +1,5 @@
-// The CPU forward of float32 layers whose weight fits in a core's cache, in one pass. Each task samples the
-// columns of a tile of output pixels into a buffer that stays in cache, multiplies them by the weight at once
+// The CPU forward of float32 layers whose tiles of output pixels are large enough, in one pass. Each task samples
+// the columns of a tile of output pixels into a buffer that stays in cache, multiplies them by the weight at once
 // (ATen's batch-reduce GEMM: oneDNN's microkernels, one thread each), and writes the product into the output,
 // transposed to channels-first, with the bias. On the driver's path (columns_driver.h) the columns of a whole
 // chunk go out to memory and come back for the GEMM, and the output makes a round trip in channels-last: for a
@@ -15,8 +15,8 @@
 namespace deform_conv {
 namespace cpu {
 
-// Whether tiled_forward serves this layer: float32, a weight group of at most a few hundred KiB, and an ATen
-// built with the batch-reduce GEMM for float32 on a CPU that has it (x86 with AVX2), with oneDNN enabled.
+// Whether tiled_forward serves this layer: float32, tiles of at least 32 pixels within 512 KiB of columns and
+// product (taps * C_in + C_out <= 4096), and the batch-reduce GEMM on oneDNN (batch_reduce_gemm_works).
 bool tiled_forward_applies(const ConvParams& p, const at::Tensor& input);
 
 // `p` comes from make_conv_params on the same tensors (which validates them).
