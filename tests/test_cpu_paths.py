@@ -214,7 +214,7 @@ def test_tiled_forward_does_not_depend_on_the_thread_count(batch):
     assert torch.equal(outputs[0], outputs[1])
 
 
-# The backward's GEMMs on the batch-reduce GEMM (cpu/brgemm.cpp), for the same float32 layers; with oneDNN off,
+# The backward's GEMMs on the batch-reduce GEMM (cpu/brgemm.cpp), for every float32 layer; with oneDNN off,
 # ATen's mm per image and group.
 BACKWARD_SHAPES = {
     # 576 output pixels: the weight gradient sums them in depth blocks of 512 and 64, the columns' gradient runs
@@ -227,6 +227,10 @@ BACKWARD_SHAPES = {
     # 520 output channels: the columns' gradient sums them in depth blocks of 512 and 8.
     "many_outputs": dict(batch=2, in_channels=64, out_channels=520, size=(10, 10), kernel=(3, 3), stride=(1, 1),
                          padding=(1, 1), dilation=(1, 1), groups=1, offset_groups=1),
+    # 18 KiB of columns per pixel: the forward takes the driver's path, the backward's GEMMs do not; 72 panels
+    # of weight columns by one block of 40 output channels.
+    "driver_forward": dict(batch=2, in_channels=512, out_channels=40, size=(6, 5), kernel=(3, 3), stride=(1, 1),
+                           padding=(1, 1), dilation=(1, 1), groups=1, offset_groups=1),
     "awkward_geometry": dict(),
 }
 

@@ -19,8 +19,11 @@ namespace {
 // Rows of b per call: a 64-column panel of them (128 KiB) stays in L2 next to the rows of a.
 constexpr int64_t kDepthBlock = 512;
 
-// The grad_weights GEMM's tasks: blocks of this many output channels by panels of this many weight columns.
-constexpr int64_t kWeightRowBlock = 32;
+// The grad_weights GEMM's tasks: blocks of output channels (at most this many) by panels of weight columns.
+// Each task reads its panel of the columns in full, so the columns are read once per block of output channels:
+// the blocks are as large as leave every thread 8 tasks, down to 32 channels.
+constexpr int64_t kMaxWeightRowBlock = 256;
+constexpr int64_t kMinWeightRowBlock = 32;
 constexpr int64_t kWeightPanel = 64;
 
 // The columns-gradient GEMM's tasks: tiles of this many pixels.
@@ -74,8 +77,9 @@ void release_gemm_context() {
 
 bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
                     const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights) {
+  // (The tile of grad_output must fit in scratch memory: up to 65536 output channels.)
   if (grad_output.scalar_type() != at::kFloat || grad_weights.scalar_type() != at::kFloat ||
-      !batch_reduce_gemm_works()) {
+      kPixelTile * p.out_channels * int64_t(sizeof(float)) > kMaxKeptScratchBytes || !batch_reduce_gemm_works()) {
     return false;
   }
   const at::Tensor grad_out_c = grad_output.narrow(0, first, images).contiguous();  // [images, C_out, pixels]
@@ -89,12 +93,18 @@ bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t 
 
   // grad_weights[c, k] += sum over images n and pixels of grad_output[n, c, pixel] * columns[n, pixel, g, k],
   // for output channel c of group g. Each task owns a block of rows and a panel of columns of grad_weights.
-  const int64_t row_blocks = ceil_div(out_per_group, kWeightRowBlock), panels = ceil_div(per_group, kWeightPanel);
+  const int64_t panels = ceil_div(per_group, kWeightPanel);
+  int64_t row_block = std::min(kMaxWeightRowBlock, out_per_group);
+  while (row_block > kMinWeightRowBlock &&
+         p.groups * ceil_div(out_per_group, row_block) * panels < 8 * at::get_num_threads()) {
+    row_block = ceil_div(row_block, 2);
+  }
+  const int64_t row_blocks = ceil_div(out_per_group, row_block);
   at::parallel_for(0, p.groups * row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task / (row_blocks * panels), c0 = g * out_per_group + task / panels % row_blocks * kWeightRowBlock;
+      const int64_t g = task / (row_blocks * panels), c0 = g * out_per_group + task / panels % row_blocks * row_block;
       const int64_t k0 = task % panels * kWeightPanel;
-      const int64_t rows = std::min(kWeightRowBlock, (g + 1) * out_per_group - c0);
+      const int64_t rows = std::min(row_block, (g + 1) * out_per_group - c0);
       const int64_t width = std::min(kWeightPanel, per_group - k0);
       for (int64_t n = 0; n < images; ++n) {
         gemm_on_this_thread(rows, width, pixels, grad_out + (n * p.out_channels + c0) * pixels, pixels,

@@ -25,7 +25,7 @@ void gemm_on_this_thread(int64_t m, int64_t n, int64_t k, const float* a, int64_
 // Frees a thread's GEMM state once its run of GEMMs ends, as ATen asks (float32 holds none today).
 void release_gemm_context();
 
-// The backward's GEMMs for images [first, first + images) of a float32 layer, when the GEMM is there:
+// The backward's GEMMs for images [first, first + images) of a float32 layer, where the GEMM runs on oneDNN:
 // grad_weights [C_out, taps * C_in/G] += each group's
 // grad_output x its columns; then the columns [images, out_pixels, taps * C_in] are overwritten by their
 // gradient, each group's grad_output transposed x its weight. Deterministic: every element is summed by one

@@ -1,6 +1,6 @@
 // CPU backend: the three sampling passes (sampling_passes.cpp), dispatched over float32/float64, behind the shared
 // chunk-and-GEMM driver; float32 forwards whose tiles hold 32 pixels fuse sampling and GEMM per tile
-// (tiled_forward.cpp), and their backward's GEMMs run on the batch-reduce GEMM (brgemm.cpp); depthwise layers
+// (tiled_forward.cpp), and float32 backward GEMMs run on the batch-reduce GEMM (brgemm.cpp); depthwise layers
 // take their own path without GEMMs (depthwise.cpp); the half types run through float32.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -46,18 +46,10 @@ void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, in
   });
 }
 
-// The backward's GEMMs on the batch-reduce GEMM (brgemm.h) for the layers the tiled forward serves; the others
-// (float64, or too many channels for tiles of 32 pixels) keep the driver's.
-bool tiled_backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
-                          const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights) {
-  return tiled_forward_applies(p, columns) &&
-         backward_gemms(p, grad_output, first, images, weight_matrix, columns, grad_weights);
-}
-
 // 8 MiB of columns per chunk (at least one image): written by the sampling pass and read by the GEMM while
 // still in cache. The buffers live in per-thread scratch memory (scratch.h), kept from call to call.
 constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(8) << 20, /*gemm_as_convolution=*/true,
-                                 tiled_backward_gemms, scratch};
+                                 /*backward_gemms=*/backward_gemms, scratch};
 
 // float16 and bfloat16 (e.g. under CPU autocast) are computed in float32 -- the kernels accumulate in fp32
 // anyway -- and each result is rounded once to the input's dtype.
