@@ -26,10 +26,10 @@ void gemm_on_this_thread(int64_t m, int64_t n, int64_t k, const float* a, int64_
 void release_gemm_context();
 
 // The backward's GEMMs for images [first, first + images) of a float32 layer, where the GEMM runs on oneDNN:
-// grad_weights [C_out, taps * C_in/G] += each group's
-// grad_output x its columns; then the columns [images, out_pixels, taps * C_in] are overwritten by their
-// gradient, each group's grad_output transposed x its weight. Deterministic: every element is summed by one
-// task in a fixed order, whatever the thread count. Returns false, doing nothing, where it does not apply.
+// grad_weights [C_out, taps * C_in/G] += each group's grad_output x its columns; then the columns
+// [images, out_pixels, taps * C_in] are overwritten by their gradient, each group's grad_output transposed x its
+// weight. Deterministic: every element is summed by one task in a fixed order, whatever the thread count.
+// Returns false, doing nothing, where it does not apply.
 bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
                     const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights);
 
