@@ -119,7 +119,8 @@ bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t 
   // Each task owns a tile of pixels of one image, whose grad_output it first turns to [pixel, C_out].
   const int64_t tiles = ceil_div(pixels, kPixelTile);
   at::parallel_for(0, images * tiles, 1, [&](int64_t begin, int64_t end) {
-    float* turned = static_cast<float*>(scratch_bytes(ScratchSlot::tile, kPixelTile * p.out_channels * int64_t(sizeof(float))));
+    const int64_t turned_bytes = kPixelTile * p.out_channels * int64_t(sizeof(float));
+    float* turned = static_cast<float*>(scratch_bytes(ScratchSlot::tile, turned_bytes));  // [pixel, C_out]
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / tiles, first_pixel = task % tiles * kPixelTile;
       const int64_t len = std::min(kPixelTile, pixels - first_pixel);

@@ -47,7 +47,8 @@ DC_CPU_DISPATCH void fill_rows(const ConvParams& p, const SamplingInputs<scalar_
     const scalar_t m = points.mask(group, tap);
     const int64_t c_begin = group * per_offset_group, row = n_local * pixels + pixel - row_begin;
     for_each_weight_group_piece(p, c_begin, c_begin + per_offset_group, [&](int64_t g, int64_t c0, int64_t c1) {
-      interpolate(s, image + c0, channels, c1 - c0, in.mask != nullptr, m, columns + column_index(p, 0, g, row, tap, c0));
+      interpolate(s, image + c0, channels, c1 - c0, in.mask != nullptr, m,
+                  columns + column_index(p, 0, g, row, tap, c0));
     });
   });
 }

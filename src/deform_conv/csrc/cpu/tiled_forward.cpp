@@ -91,7 +91,8 @@ at::Tensor tiled_forward(const ConvParams& p, const at::Tensor& input, const at:
   if (output.numel() == 0) return output;
 
   const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
-  const int64_t row_size = p.taps() * p.in_channels, pixels = p.out_pixels(), image_size = p.height * p.width * p.in_channels;
+  const int64_t row_size = p.taps() * p.in_channels, pixels = p.out_pixels();
+  const int64_t image_size = p.height * p.width * p.in_channels;
   const Tiling tiles = tiling(p, at::get_num_threads());
   const int64_t tile_floats = (row_size + p.out_channels) * tiles.pixels;
 
