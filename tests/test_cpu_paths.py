@@ -121,10 +121,11 @@ def test_threads_calling_at_once_each_use_their_own_scratch(dtype_):
 
 
 # The tiled float32 forward (cpu/tiled_forward.cpp) serves every float32 layer whose tile holds 32 pixels, where
-# ATen has a float32 batch-reduce GEMM and oneDNN is on; with oneDNN off, the same layers take the driver's path.
+# the batch-reduce GEMM runs on oneDNN (x86 with AVX2, oneDNN on); with oneDNN off, the same layers take the
+# driver's path.
 TILED_SHAPES = {
-    # 2 tiles of 128 pixels per image; 72 output channels, a GEMM panel of 64 and one of 8; 576 weight rows,
-    # summed in blocks of 512 and 64.
+    # 2 tiles of 128 pixels per image (more and smaller beyond 3 threads); 72 output channels, a GEMM panel of
+    # 64 and one of 8; 576 weight rows, summed in blocks of 512 and 64.
     "tiles_panels_depth_blocks": dict(batch=3, in_channels=64, out_channels=72, size=(16, 16), kernel=(3, 3),
                                       stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=1, offset_groups=2),
     # 3 weight groups of 16 channels, 4 offset groups of 12: the groups do not nest.
@@ -218,8 +219,8 @@ def test_tiled_forward_does_not_depend_on_the_thread_count(batch):
 # ATen's mm per image and group.
 BACKWARD_SHAPES = {
     # 576 output pixels: the weight gradient sums them in depth blocks of 512 and 64, the columns' gradient runs
-    # on tiles of 128 pixels and one of 64; 72 output channels, in blocks of 32, 32 and 8; 576 weight columns in
-    # 9 panels; 1.3 MiB of columns per image, so the 7 images come in chunks of 6 and 1.
+    # on tiles of 128 pixels and one of 64; 72 output channels, in blocks (of 36 on 2 threads); 576 weight
+    # columns in 9 panels; 1.3 MiB of columns per image, so the 7 images come in chunks of 6 and 1.
     "blocks_tiles_chunks": dict(batch=7, in_channels=64, out_channels=72, size=(24, 24), kernel=(3, 3),
                                 stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=1, offset_groups=2),
     "groups": TILED_SHAPES["groups"],
