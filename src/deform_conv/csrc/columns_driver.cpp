@@ -62,6 +62,29 @@ void add_product(at::Tensor sum, const at::Tensor& a, const at::Tensor& b) {
 #endif
 }
 
+// The backward's GEMMs for images [first, first + images), image by image and group by group, with plain GEMMs
+// into buffers that exist already (no temporaries of the columns' size, except that for the half types
+// add_product makes a float product of a weight group's size, and before torch 2.8 widens the image's columns of
+// the group too): first the weight's gradient, accumulated in place,
+// [C_out/G, H_out*W_out] x [H_out*W_out, taps * C_in/G]; then, as the columns are no longer needed, their
+// gradient overwrites them, [H_out*W_out, C_out/G] x [C_out/G, taps * C_in/G].
+void backward_gemms_with_aten(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
+                              const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights) {
+  const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
+  for (int64_t n = 0; n < images; ++n) {
+    const at::Tensor grad_out_n = grad_output[first + n].reshape({p.out_channels, p.out_pixels()});
+    at::Tensor columns_n = columns[n].permute({1, 2, 0}).view({p.out_pixels(), p.groups * per_group});
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const at::Tensor grad_out_g = grad_out_n.narrow(0, g * out_per_group, out_per_group);
+      at::Tensor columns_g = columns_n.narrow(1, g * per_group, per_group);
+      add_product(grad_weights.view({p.out_channels, -1}).narrow(0, g * out_per_group, out_per_group), grad_out_g,
+                  columns_g);
+      // Half types: cuBLAS multiplies on the tensor cores and accumulates in float, then rounds once.
+      at::mm_out(columns_g, grad_out_g.t(), weight_matrix.narrow(0, g * out_per_group, out_per_group));
+    }
+  }
+}
+
 }  // namespace
 
 SamplingTensors::SamplingTensors(const SamplingPasses& passes, const at::Tensor& input_, const at::Tensor& offset_,
@@ -130,31 +153,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
     const at::Tensor weight_matrix = weight_as_1x1(p, weight).view({p.out_channels, -1});
     const int64_t chunk = images_per_chunk(p, input.element_size(), passes.column_budget_bytes);
     at::Tensor columns = column_buffer(passes, p, std::min(chunk, p.batch), input.options());
-    const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
     for (int64_t first = 0; first < p.batch; first += chunk) {
       const int64_t images = std::min(chunk, p.batch - first);
       at::Tensor chunk_columns = columns.narrow(0, 0, images);
       passes.fill_columns(p, tensors, first, images, chunk_columns);
-      const bool gemms_done = passes.backward_gemms != nullptr &&
-                              passes.backward_gemms(p, grad_output, first, images, weight_matrix, chunk_columns,
-                                                    grad_weights);
-      // Otherwise image by image and group by group, with plain GEMMs into buffers that exist already (no temporaries of
-      // the columns' size, except that for the half types add_product makes a float product of a weight group's
-      // size, and before torch 2.8 widens the image's columns of the group too): first the weight's gradient,
-      // accumulated in place,
-      // [C_out/G, H_out*W_out] x [H_out*W_out, taps * C_in/G]; then, as the columns are no longer needed, their
-      // gradient overwrites them, [H_out*W_out, C_out/G] x [C_out/G, taps * C_in/G].
-      for (int64_t n = 0; n < images && !gemms_done; ++n) {
-        const at::Tensor grad_out_n = grad_output[first + n].reshape({p.out_channels, p.out_pixels()});
-        at::Tensor columns_n = chunk_columns[n].permute({1, 2, 0}).view({p.out_pixels(), p.groups * per_group});
-        for (int64_t g = 0; g < p.groups; ++g) {
-          const at::Tensor grad_out_g = grad_out_n.narrow(0, g * out_per_group, out_per_group);
-          at::Tensor columns_g = columns_n.narrow(1, g * per_group, per_group);
-          add_product(grad_weights.view({p.out_channels, -1}).narrow(0, g * out_per_group, out_per_group),
-                      grad_out_g, columns_g);
-          // Half types: cuBLAS multiplies on the tensor cores and accumulates in float, then rounds once.
-          at::mm_out(columns_g, grad_out_g.t(), weight_matrix.narrow(0, g * out_per_group, out_per_group));
-        }
+      if (passes.backward_gemms == nullptr ||
+          !passes.backward_gemms(p, grad_output, first, images, weight_matrix, chunk_columns, grad_weights)) {
+        backward_gemms_with_aten(p, grad_output, first, images, weight_matrix, chunk_columns, grad_weights);
       }
       passes.coordinate_and_mask_grads(p, tensors, first, images, chunk_columns, grad_offset, grad_mask);
       passes.accumulate_input_grad(p, tensors, first, images, chunk_columns, grad_input);
