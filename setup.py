@@ -18,33 +18,32 @@ HERE = Path(__file__).resolve().parent
 PACKAGE = HERE / "src" / "deform_conv"
 
 
-def _loader():
-    """deform_conv._build without running deform_conv/__init__.py (which would JIT-build the kernels)."""
+def _package_stub():
+    """Makes deform_conv's modules importable without running deform_conv/__init__.py (which would JIT-build
+    the kernels)."""
     stub = types.ModuleType("deform_conv")
     stub.__path__ = [str(PACKAGE)]
     sys.modules.setdefault("deform_conv", stub)
-    from deform_conv import _build
-
-    return _build
 
 
 def aot_setup_args() -> dict:
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
-    _build = _loader()
-    from deform_conv import _sources
+    _package_stub()
+    from deform_conv import _compile, _loader, _sources, _toolchain, _variant
 
-    variants = [_build.Variant("cpu")]
-    archs = _build.requested_cuda_archs()
+    variants = [_variant.Variant("cpu")]
+    archs = _variant.requested_cuda_archs()
     if archs:
-        variants.append(_build.Variant("cuda", archs))
+        variants.append(_variant.Variant("cuda", archs))
         os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs)
 
     extensions = []
     for variant in variants:
         sources = [str((PACKAGE / _sources.CSRC_DIR / s).relative_to(HERE)) for s in variant.sources]
+        cxx_version = _toolchain.identify(_toolchain.find_cxx(), None)
         args = dict(extra_compile_args={"cxx": list(_sources.CXX_FLAGS), "nvcc": list(_sources.NVCC_FLAGS)},
-                    extra_link_args=list(_sources.LD_FLAGS))
+                    extra_link_args=_compile.link_flags(variant, cxx_version))
         make = CUDAExtension if variant.kind == "cuda" else CppExtension
         extensions.append((variant, make(f"deform_conv._prebuilt.{variant.kind}", sources, **args)))
 
@@ -55,9 +54,17 @@ def aot_setup_args() -> dict:
             super().build_extension(ext)
             variant = next(v for v, e in extensions if e is ext)
             library = Path(self.get_ext_fullpath(ext.name))
-            _build.write_prebuilt_key(variant, library)
+            _loader.write_prebuilt_key(variant, library)
 
     return dict(ext_modules=[e for _, e in extensions], cmdclass={"build_ext": BuildAndRecordKey})
 
 
-setup(**(aot_setup_args() if os.environ.get("DEFORM_CONV_AOT") == "1" else {}))
+def aot_requested() -> bool:
+    """$DEFORM_CONV_AOT, validated as the package validates every variable (a typo is an error, not a no)."""
+    _package_stub()
+    from deform_conv import _settings
+
+    return _settings.ahead_of_time()
+
+
+setup(**(aot_setup_args() if aot_requested() else {}))

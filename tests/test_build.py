@@ -14,15 +14,15 @@ import pytest
 import torch
 
 import deform_conv
-from deform_conv import _build, _progress, _toolchain
+from deform_conv import _cache, _compile, _loader, _progress, _settings, _toolchain, _variant
 
 from loader_helpers import ROOT, child_env, compile_lines
 
 
 @pytest.mark.parametrize("kind", ["cpu", "cuda"])
 def test_entry_name_changes_with_every_key_input(kind):
-    variant = _build.Variant(kind, ("9.0",) if kind == "cuda" else ())
-    environment = _build.environment_inputs(variant)
+    variant = _variant.Variant(kind, ("9.0",) if kind == "cuda" else ())
+    environment = _variant.environment_inputs(variant)
     tools = {"cxx": "c++ (Debian 12.2.0) 12.2.0", **({"nvcc": "nvcc 13.0.88"} if kind == "cuda" else {})}
     changed_environment = {
         "variant": "other",
@@ -40,33 +40,33 @@ def test_entry_name_changes_with_every_key_input(kind):
     assert set(changed_environment) == set(environment), "every key input must be covered by this test"
     changed_tools = {"cxx": "clang version 18.1.0", **({"nvcc": "nvcc 13.1.0"} if kind == "cuda" else {})}
 
-    names = {_build.entry_name(variant, environment, tools)}
+    names = {_variant.entry_name(variant, environment, tools)}
     for key, value in changed_environment.items():
-        names.add(_build.entry_name(variant, {**environment, key: value}, tools))
+        names.add(_variant.entry_name(variant, {**environment, key: value}, tools))
     for key, value in changed_tools.items():
-        names.add(_build.entry_name(variant, environment, {**tools, key: value}))
+        names.add(_variant.entry_name(variant, environment, {**tools, key: value}))
     assert len(names) == 1 + len(changed_environment) + len(changed_tools)
 
 
 def test_source_and_header_edits_change_the_key(tmp_path, monkeypatch):
     csrc = tmp_path / "csrc"
-    shutil.copytree(_build.CSRC, csrc)
-    monkeypatch.setattr(_build, "CSRC", csrc)
-    before = _build.sources_sha256()
+    shutil.copytree(_variant.CSRC, csrc)
+    monkeypatch.setattr(_variant, "CSRC", csrc)
+    before = _variant.sources_sha256()
     with open(csrc / "sampling.h", "a") as f:
         f.write("// an edit\n")
-    after_header = _build.sources_sha256()
+    after_header = _variant.sources_sha256()
     with open(csrc / "cpu" / "deform_conv_cpu.cpp", "a") as f:
         f.write("// an edit\n")
-    after_source = _build.sources_sha256()
+    after_source = _variant.sources_sha256()
     assert len({before, after_header, after_source}) == 3
 
 
 def test_entry_records_its_key_inputs_readably():
     entry = deform_conv.libraries[0].entry
-    key = _build.read_key(entry)
+    key = _cache.inspect_entry(entry).key
     assert key is not None
-    assert key["environment"] == _build.environment_inputs(deform_conv.libraries[0].variant)
+    assert key["environment"] == _variant.environment_inputs(deform_conv.libraries[0].variant)
     assert key["toolchain"]["cxx"] == _toolchain.identify(_toolchain.find_cxx(), None)
     assert (entry / key["library"]).is_file() and (entry / "build.log").is_file()
 
@@ -74,12 +74,12 @@ def test_entry_records_its_key_inputs_readably():
 def test_cache_root_resolution(monkeypatch, tmp_path):
     monkeypatch.setenv("DEFORM_CONV_CACHE_DIR", str(tmp_path / "explicit"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert _build.cache_root() == tmp_path / "explicit"
+    assert _loader.cache_root() == tmp_path / "explicit"
     monkeypatch.delenv("DEFORM_CONV_CACHE_DIR")
-    assert _build.cache_root() == tmp_path / "xdg" / "deform_conv"
+    assert _loader.cache_root() == tmp_path / "xdg" / "deform_conv"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert _build.cache_root() == tmp_path / "home" / ".cache" / "deform_conv"
+    assert _loader.cache_root() == tmp_path / "home" / ".cache" / "deform_conv"
 
 
 def test_compiler_version_is_remembered_per_binary(tmp_path):
@@ -95,41 +95,41 @@ def test_compiler_version_is_remembered_per_binary(tmp_path):
 
 def test_missing_tools_are_diagnosed_before_compiling(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with pytest.raises(_build.BuildError, match=r"(?s)no C\+\+ compiler found .*Remedy: install one"):
-        _build.check_prerequisites(_build.Variant("cpu"))
+    with pytest.raises(_loader.BuildError, match=r"(?s)no C\+\+ compiler found .*Remedy: install one"):
+        _loader.check_prerequisites(_variant.Variant("cpu"))
 
 
 @pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch")
 def test_cuda_home_missing_and_nvcc_mismatch_are_diagnosed(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
-    with pytest.raises(_build.BuildError, match=r"(?s)CUDA_HOME not found.*Remedy: install the CUDA toolkit"):
-        _build.check_prerequisites(_build.Variant("cuda", ("9.0",)))
+    with pytest.raises(_loader.BuildError, match=r"(?s)CUDA_HOME not found.*Remedy: install the CUDA toolkit"):
+        _loader.check_prerequisites(_variant.Variant("cuda", ("9.0",)))
     (tmp_path / "cuda" / "bin").mkdir(parents=True)
     nvcc = tmp_path / "cuda" / "bin" / "nvcc"
     nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 11.8, V11.8.89'\n")
     nvcc.chmod(0o755)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
     monkeypatch.setenv("DEFORM_CONV_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.raises(_build.BuildError, match=r"nvcc's CUDA \(nvcc 11.8.89 .*differs in major version"):
-        _build.check_prerequisites(_build.Variant("cuda", ("9.0",)))
+    with pytest.raises(_loader.BuildError, match=r"nvcc's CUDA \(nvcc 11.8.89 .*differs in major version"):
+        _loader.check_prerequisites(_variant.Variant("cuda", ("9.0",)))
 
 
 def test_cuda_library_selection(monkeypatch):
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0;8.0 8.0")
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    assert _build.requested_cuda_archs() == ("8.0", "9.0")
-    assert _build.requested_cuda_archs("8.6") == ("8.6",)
+    assert _variant.requested_cuda_archs() == ("8.0", "9.0")
+    assert _variant.requested_cuda_archs("8.6") == ("8.6",)
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert _build.requested_cuda_archs() == ()
+    assert _variant.requested_cuda_archs() == ()
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: [(9, 0), (8, 6)][i])
-    assert _build.requested_cuda_archs() == ("8.6", "9.0")
+    assert _variant.requested_cuda_archs() == ("8.6", "9.0")
     monkeypatch.setenv("DEFORM_CONV_CUDA", "0")  # the opt-out, for GPU machines without the CUDA toolkit
-    assert _build.requested_cuda_archs() == ()
-    assert _build.requested_cuda_archs("9.0") == ("9.0",)  # an explicit --cuda-arch still builds
+    assert _variant.requested_cuda_archs() == ()
+    assert _variant.requested_cuda_archs("9.0") == ("9.0",)  # an explicit --cuda-arch still builds
     monkeypatch.setattr(torch.version, "cuda", None)
-    assert _build.requested_cuda_archs("9.0") == ()
+    assert _variant.requested_cuda_archs("9.0") == ()
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -138,26 +138,26 @@ def test_cuda_library_selection(monkeypatch):
 ])
 def test_sanitize_setting(monkeypatch, value, expected):
     monkeypatch.setenv("DEFORM_CONV_SANITIZE", value)
-    assert _build.cpu_variant().sanitize == expected
+    assert _variant.cpu_variant().sanitize == expected
 
 
 def test_sanitize_setting_rejects_unknown_names(monkeypatch):
     monkeypatch.setenv("DEFORM_CONV_SANITIZE", "adress")
-    with pytest.raises(_build.BuildError, match=r"DEFORM_CONV_SANITIZE must be 0, 1 or a comma-separated list of "
-                                                 r"address, undefined, got 'adress'"):
-        _build.wanted_variants()
+    with pytest.raises(_loader.BuildError, match=r"DEFORM_CONV_SANITIZE must be `1` \(= `address,undefined`\) or a "
+                                                 r"comma-separated list of `address`, `undefined`.*; got 'adress'"):
+        _variant.wanted_variants()
 
 
 def test_sanitized_library_has_an_entry_of_its_own():
-    plain, sanitized = _build.Variant("cpu"), _build.Variant("cpu", sanitize=("address", "undefined"))
+    plain, sanitized = _variant.Variant("cpu"), _variant.Variant("cpu", sanitize=("address", "undefined"))
     assert sanitized.cxx_flags[-5:] == ("-fsanitize=address,undefined", "-fno-sanitize-recover=all",
                                         "-fno-omit-frame-pointer", "-g", "-O1")
     assert "-O3" not in sanitized.cxx_flags and sanitized.ld_flags[-1] == "-fsanitize=address,undefined"
     tools = {"cxx": "c++ (Debian 12.2.0) 12.2.0"}
-    plain_name = _build.entry_name(plain, _build.environment_inputs(plain), tools)
-    sanitized_name = _build.entry_name(sanitized, _build.environment_inputs(sanitized), tools)
+    plain_name = _variant.entry_name(plain, _variant.environment_inputs(plain), tools)
+    sanitized_name = _variant.entry_name(sanitized, _variant.environment_inputs(sanitized), tools)
     assert plain_name.startswith("cpu-torch") and sanitized_name.startswith("cpu-sanitize_address_undefined-torch")
-    assert "sanitize" not in _build.environment_inputs(plain)  # plain keys, and their entries, stay as they were
+    assert "sanitize" not in _variant.environment_inputs(plain)  # plain keys, and their entries, stay as they were
 
 
 def test_asan_build_without_the_preloaded_runtime_is_refused_before_compiling(monkeypatch, tmp_path):
@@ -165,8 +165,8 @@ def test_asan_build_without_the_preloaded_runtime_is_refused_before_compiling(mo
         pytest.skip("this process has the ASan runtime (scripts/sanitize-tests)")
     monkeypatch.setenv("DEFORM_CONV_SANITIZE", "1")
     remedy = r'LD_PRELOAD="\$\(\S+ -print-file-name=libasan.so\) \$\(\S+ -print-file-name=libstdc\+\+.so\)"'
-    with pytest.raises(_build.BuildError, match=r"(?s)AddressSanitizer runtime preloaded.*Remedy: run with " + remedy):
-        _build.build(_build.cpu_variant(), tmp_path)
+    with pytest.raises(_loader.BuildError, match=r"(?s)AddressSanitizer runtime preloaded.*Remedy: run with " + remedy):
+        _loader.build(_variant.cpu_variant(), tmp_path)
     assert not (tmp_path / "logs").exists()  # nothing compiled
 
 
@@ -180,9 +180,9 @@ def test_without_gpu_or_arch_list_only_the_cpu_library_loads_and_cuda_stays_unin
 
 def test_build_jobs_honour_max_jobs_and_the_machine(monkeypatch):
     monkeypatch.setenv("MAX_JOBS", "3")
-    assert _build._build_environment(_build.Variant("cpu"))["MAX_JOBS"] == "3"
+    assert _compile._build_environment(_variant.Variant("cpu"))["MAX_JOBS"] == "3"
     monkeypatch.delenv("MAX_JOBS")
-    jobs = int(_build._build_environment(_build.Variant("cpu"))["MAX_JOBS"])
+    jobs = int(_compile._build_environment(_variant.Variant("cpu"))["MAX_JOBS"])
     assert 1 <= jobs <= len(__import__("os").sched_getaffinity(0))
 
 
@@ -199,7 +199,7 @@ def test_wheel_is_pure_python_and_ships_the_sources(tmp_path):
     (wheel,) = tmp_path.glob("*.whl")
     assert wheel.name.startswith("torch_deform_conv-") and wheel.name.endswith("-py3-none-any.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    sources = {str(p.relative_to(_build.CSRC.parent.parent)) for p in _build.CSRC.rglob("*") if p.is_file()}
+    sources = {str(p.relative_to(_variant.CSRC.parent.parent)) for p in _variant.CSRC.rglob("*") if p.is_file()}
     assert sources <= set(names), sources - set(names)
     assert not [n for n in names if n.endswith((".so", ".o", ".pyd"))], "pip wheel must not compile anything"
 
@@ -209,16 +209,30 @@ def test_doctor_and_clean(tmp_path):
     shutil.copytree(deform_conv.libraries[0].entry, cache / deform_conv.libraries[0].entry.name)
     stale = cache / "cpu-torch1.0-000000000000-00000000"
     stale.mkdir()
+    dangling = cache / "cpu-torch1.0-000000000000-00000001"
+    dangling.symlink_to(tmp_path / "gone")
+    plain_file = cache / "cpu-torch1.0-000000000000-00000002"
+    plain_file.write_text("not an entry")
+    (cache / "logs").mkdir()
+    (cache / "toolchains.json").write_text("[]")
+    (cache / ".toolchains.json.abc123").write_text("{}")
+    users_own = cache / "notes.txt"
+    users_own.write_text("the user's, not the package's")
     env = child_env(cache)
     doctor = subprocess.run([sys.executable, "-m", "deform_conv", "doctor"], capture_output=True, text=True, env=env)
-    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
-    assert f"cpu          built: {deform_conv.libraries[0].entry.name}" in doctor.stdout
-    assert "incomplete or corrupted" in doctor.stdout and "No problems found." in doctor.stdout
+    assert f"cpu          built: {deform_conv.libraries[0].entry.name}" in doctor.stdout, doctor.stdout + doctor.stderr
+    assert f"{stale.name}  NOT LOADABLE: {stale} is incomplete" in doctor.stdout
+    assert f"{dangling.name}  NOT LOADABLE: {dangling} is a symlink (dangling) to {tmp_path / 'gone'}" in doctor.stdout
+    assert f"{plain_file.name}  NOT LOADABLE: {plain_file} is not a directory" in doctor.stdout
+    # The symlink and the file are problems (the loader skips them); an unfinished build is not.
+    assert doctor.returncode == 1 and doctor.stdout.count("`deform-conv clean` removes it") == 2, doctor.stdout
     clean = subprocess.run([sys.executable, "-m", "deform_conv", "clean", "--stale"], capture_output=True, text=True,
                            env=env, check=True)
-    assert not stale.exists() and (cache / deform_conv.libraries[0].entry.name).is_dir(), clean.stdout
+    assert not any(os.path.lexists(p) for p in (stale, dangling, plain_file)), clean.stdout
+    assert (cache / deform_conv.libraries[0].entry.name).is_dir() and (cache / "toolchains.json").exists()
     subprocess.run([sys.executable, "-m", "deform_conv", "clean"], capture_output=True, env=env, check=True)
-    assert not [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    assert sorted(p.name for p in cache.iterdir()) == ["notes.txt"]  # everything of ours, nothing of the user's
+    assert users_own.read_text() == "the user's, not the package's"
 
 
 def test_main_job_builds_into_an_empty_cache_then_reuses_it(tmp_path):

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from deform_conv import _build, _toolchain
+from deform_conv import _cache, _toolchain
 
 from loader_helpers import child_env
 
@@ -28,7 +28,7 @@ def test_cuda_library_compiles_for_sm90(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "compiling the CUDA kernels for sm_90" in result.stderr
     (entry,) = tmp_path.glob("cuda-sm90-*")
-    key = _build.read_key(entry)
+    key = _cache.inspect_entry(entry).key
     assert key is not None and key["environment"]["cuda_archs"] == ["9.0"]
     assert key["toolchain"]["nvcc"].startswith("nvcc ")
     # The library holds sm_90 machine code (cuobjdump lists the cubins of a fat binary).

@@ -156,3 +156,29 @@ def test_module_constructor_raises_the_documented_error(row):
     with pytest.raises(ERRORS[error]) as raised:
         getattr(deform_conv, cls)(**args)
     assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("stride, padding, dilation, argument", [
+    ([1, 1], [1, 0], [2**63 - 1, 1], "dilation"),    # dilation * (kernel_h - 1) wrapped: tap 2 sampled row oy - 2
+    ([1, 1], [2**63 - 1] * 2, [1, 1], "padding"),   # height + 2 * padding wrapped: a bias-only output
+    ([1, 1], [2**62, 0], [1, 1], "padding"),
+])
+def test_direct_op_call_refuses_sizes_that_overflow_int64(case, stride, padding, dilation, argument):
+    """TorchScript and exported programs call the op directly, where nothing in Python bounds these values: the
+    C++ size arithmetic is checked (the sanitizer run executes these calls too, so it would also report a signed
+    overflow the checks missed)."""
+    with pytest.raises(RuntimeError, match=rf"^{argument}: .* overflows int64"):
+        torch.ops.deform_conv.deform_conv2d(case.input, case.offset, case.weight, case.mask, case.bias, stride,
+                                            padding, dilation)
+
+
+def test_direct_op_call_refuses_an_output_too_large_to_index(case):
+    """With a batch of 0 every tensor is empty whatever its other sizes, so only the checked product of the
+    output's height and width stops the kernels' per-image indexing from wrapping."""
+    pad = 2**40
+    out_h, out_w = (13 + 2 * pad - 4 - 1) // 2 + 1, (8 + 2 * pad - 1 - 1) + 1
+    offset = torch.empty_strided((0, 36, out_h, out_w), (1, 1, 1, 1))  # contiguous strides would overflow
+    mask = torch.empty_strided((0, 18, out_h, out_w), (1, 1, 1, 1))
+    with pytest.raises(RuntimeError, match=r"^padding/stride: the output size out_h \* out_w overflows int64"):
+        torch.ops.deform_conv.deform_conv2d(case.input[:0], offset, case.weight, mask, case.bias, [2, 1],
+                                            [pad, pad], [2, 1])

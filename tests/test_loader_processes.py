@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import deform_conv
-from deform_conv import _build
+from deform_conv import _cache
 
 from loader_helpers import IMPORT_AND_REPORT, ROOT, child_env, compile_lines, copy_current_cpu_entry, run_python
 
@@ -60,13 +60,13 @@ def test_build_killed_midway_leaves_nothing_that_blocks_the_next_import(tmp_path
 
 def test_corrupted_library_is_detected_and_rebuilt(tmp_path):
     entry = copy_current_cpu_entry(tmp_path)
-    key = _build.read_key(entry)
+    key = _cache.inspect_entry(entry).key
     library = entry / key["library"]
     library.write_bytes(library.read_bytes()[: library.stat().st_size // 2])  # a truncated copy
     result = run_python(IMPORT_AND_REPORT, child_env(tmp_path))
     assert result.returncode == 0, result.stderr
     assert len(compile_lines(result.stderr)) == 1
-    assert _build.read_key(entry) is not None  # whole again
+    assert _cache.inspect_entry(entry).usable  # whole again
 
 
 def _read_only_command(cache: Path, code: str):
@@ -133,7 +133,7 @@ def test_broken_compiler_raises_build_error_with_log(tmp_path):
     broken.chmod(0o755)
     result = run_python("import deform_conv", child_env(tmp_path / "cache", CXX=str(broken)))
     assert result.returncode != 0
-    assert "deform_conv._build.BuildError: compiling deform_conv's CPU kernels failed" in result.stderr
+    assert "deform_conv._errors.BuildError: compiling deform_conv's CPU kernels failed" in result.stderr
     assert "internal compiler error: out of luck" in result.stderr
     log = next(line.split("Full log: ", 1)[1] for line in result.stderr.splitlines() if line.startswith("Full log: "))
     assert Path(log).is_file() and "out of luck" in Path(log).read_text()

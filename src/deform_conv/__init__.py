@@ -1,6 +1,6 @@
 """Deformable convolution (DCNv1 and DCNv2) for PyTorch, with C++ kernels built for this machine on first import.
 
-Importing the package loads the kernel libraries from the cache, compiling them once if needed (``_build``):
+Importing the package loads the kernel libraries from the cache, compiling them once if needed (``_loader``):
 the CPU library always, the CUDA library when a GPU is visible or $TORCH_CUDA_ARCH_LIST asks for one.
 """
 
@@ -10,8 +10,9 @@ import warnings as _warnings
 from typing import Tuple as _Tuple
 
 from ._version import __version__
-from ._build import BuildError, LoadedLibrary, cache_root
-from . import _build, _ops
+from ._errors import BuildError
+from ._loader import LoadedLibrary, cache_root
+from . import _loader, _ops, _settings, _variant
 
 libraries: _Tuple[LoadedLibrary, ...] = ()  # what was loaded, from where, and whether it was just built
 
@@ -20,12 +21,14 @@ def _load_libraries() -> _Tuple[LoadedLibrary, ...]:
     """Loads (building once) the libraries this machine needs. With DEFORM_CONV_FALLBACK=reference a library
     that cannot be built is a warning, and its device runs the pure-PyTorch implementation instead."""
     global libraries
+    _settings.warn_about_unknown_variables()
+    fallback = _settings.fallback_to_reference()
     loaded = []
-    for variant in _build.wanted_variants():
+    for variant in _variant.wanted_variants():
         try:
-            loaded.append(_build.load(variant))
+            loaded.append(_loader.load(variant))
         except BuildError as error:
-            if _os.environ.get("DEFORM_CONV_FALLBACK", "") != "reference":
+            if not fallback:
                 raise
             _warnings.warn(
                 f"deform_conv: the {variant.label} could not be built; {variant.kind} tensors run the slow "

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 import deform_conv
-from deform_conv import _build, _doctor, _toolchain
+from deform_conv import _cache, _doctor, _loader, _toolchain, _variant
 
 
 def _median_ms(fn: Callable[[], object], repeats: int = 7) -> float:
@@ -64,8 +64,8 @@ def check() -> int:
     print(f"  python     {platform.python_version()} on {platform.platform()}")
     print(f"  torch      {torch.__version__} (CUDA {cuda or 'none'}; {gpus} GPU(s) visible)")
     cxx = _toolchain.find_cxx()
-    print(f"  compiler   {_toolchain.identify(cxx, _build.cache_root() / 'toolchains.json') if cxx else 'none found'}")
-    print(f"  cache      {_build.cache_root()}")
+    print(f"  compiler   {_toolchain.identify(cxx, _loader.cache_root() / _cache.TOOLCHAINS_FILE) if cxx else 'none found'}")
+    print(f"  cache      {_loader.cache_root()}")
     for lib in deform_conv.libraries:
         how = (f"loaded from the cache in {lib.load_seconds * 1e3:.1f} ms" if lib.from_cache
                else f"built now in {lib.build_seconds:.1f} s")
@@ -116,14 +116,14 @@ def build(cuda_arch: Optional[str], cpu_only: bool) -> int:
         print(f"deform-conv: --cuda-arch needs a CUDA build of torch; torch {torch.__version__} has no CUDA",
               file=sys.stderr)
         return 2
-    variants = [_build.cpu_variant()]
-    archs = () if cpu_only else _build.requested_cuda_archs(cuda_arch)
+    variants = [_variant.cpu_variant()]
+    archs = () if cpu_only else _variant.requested_cuda_archs(cuda_arch)
     if archs:
-        variants.append(_build.Variant("cuda", archs))
-    root = _build.cache_root()
+        variants.append(_variant.Variant("cuda", archs))
+    root = _loader.cache_root()
     for variant in variants:
-        found = _build.find_complete_entry(variant, root)
-        entry = found[0] if found else _build.build(variant, root, load=False)
+        found, _skipped = _loader.find_entry(variant, root, _variant.environment_inputs(variant), any_toolchain=False)
+        entry = found.path if found else _loader.build(variant, root, load=False)
         print(f"{variant.label}: {entry}{' (already built)' if found else ''}")
     return 0
 

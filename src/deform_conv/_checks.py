@@ -14,6 +14,8 @@ from torch import Tensor
 # An int or a (height, width) pair; spelled so that TorchScript can compile functions that take it.
 IntPair = Union[int, Tuple[int, int], List[int]]
 
+INT64_MAX = 2**63 - 1
+
 # On every device; the CPU computes the half types in float32.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -44,6 +46,8 @@ def as_pair(value: IntPair, name: str, minimum: int) -> Tuple[int, int]:
         raise TypeError(f"{name} must be an int or a pair of ints (height, width), got {value!r}")
     if pair[0] < minimum or pair[1] < minimum:
         raise ValueError(f"{name} must be >= {minimum} in both dimensions, got {tuple(pair)}")
+    if pair[0] > INT64_MAX or pair[1] > INT64_MAX:  # the op's schema takes int64
+        raise ValueError(f"{name} must be at most 2**63 - 1 in both dimensions, got {tuple(pair)}")
     return pair  # type: ignore[return-value]
 
 

@@ -2,33 +2,26 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
-import shutil
 import sys
 from pathlib import Path
 from typing import List, Tuple
 
 import torch
 
-from . import _build, _toolchain
+from . import _cache, _loader, _toolchain, _variant
 from ._version import __version__
 
 
 def _size(path: Path) -> str:
-    total = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    total = sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
     return f"{total / 2**20:.1f} MiB"
 
 
-def entries(root: Path) -> List[Tuple[Path, dict]]:
-    """Every published entry under ``root`` with its key (an empty dict when incomplete or corrupted)."""
-    if not root.is_dir():
-        return []
-    found = []
-    for directory in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "logs"))):
-        found.append((directory, _build.read_key(directory) or {}))
-    return found
+def _describe(path: Path) -> str:
+    state = _cache.inspect_entry(path)
+    return f"complete, {_size(path)}" if state.usable else f"NOT LOADABLE: {state.problem}"
 
 
 def doctor() -> int:
@@ -37,13 +30,13 @@ def doctor() -> int:
     print(f"  python       {platform.python_version()} ({sys.executable})")
     print(f"  torch        {torch.__version__} (C++11 ABI {torch.compiled_with_cxx11_abi()}, "
           f"CUDA build: {torch.version.cuda or 'no'})")
-    root = _build.cache_root()
-    cpu = _build.cpu_variant()  # a bad DEFORM_CONV_SANITIZE raises BuildError here: the CLI prints it
+    root = _loader.cache_root()
+    cpu = _variant.cpu_variant()  # a bad DEFORM_CONV_SANITIZE raises BuildError here: the CLI prints it
     print(f"  sanitize     {'-fsanitize=' + ','.join(cpu.sanitize) + ' (CPU library only)' if cpu.sanitize else 'off'}"
           " (DEFORM_CONV_SANITIZE)")
     try:
-        _build.check_sanitizer_runtime(cpu)
-    except _build.BuildError as error:
+        _loader.check_sanitizer_runtime(cpu)
+    except _loader.BuildError as error:
         problems.append(str(error).replace("\n", " "))
 
     cxx = _toolchain.find_cxx()
@@ -74,29 +67,37 @@ def doctor() -> int:
         gpus = [f"{i}: {torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
                 for i in range(count)]
         print(f"  GPUs         {'; '.join(gpus) if gpus else 'none visible'}")
-        archs = _build.requested_cuda_archs()
+        archs = _variant.requested_cuda_archs()
         source = "TORCH_CUDA_ARCH_LIST" if os.environ.get("TORCH_CUDA_ARCH_LIST") else "the visible GPUs"
         print(f"  CUDA archs   {', '.join(archs) + ' (from ' + source + ')' if archs else 'none: CPU library only'}")
         if archs and not nvcc:
             problems.append("a CUDA library is wanted but nvcc is missing: install the CUDA toolkit matching "
                             f"torch's CUDA {torch.version.cuda} and set CUDA_HOME")
 
-    writable = os.access(root, os.W_OK) if root.exists() else os.access(root.parent if root.parent.exists() else Path.home(), os.W_OK)
-    print(f"  cache root   {root} ({'writable' if writable else 'read-only: complete entries load, nothing can be built'})")
-    listed = entries(root)
-    for directory, key in listed:
-        state = "complete" if key else "incomplete or corrupted"
-        print(f"    {directory.name}  {state}, {_size(directory)}")
+    writable = _cache.can_write(root)
+    trust = _cache.root_problem(root) if os.path.lexists(root) else None
+    print(f"  cache root   {root} ({'writable' if writable else 'read-only: complete entries load, nothing can be built'}"
+          f"{'; NOT TRUSTED' if trust else ''})")
+    if trust:
+        problems.append(f"{trust}: nothing in it is loaded. " + str(_loader.untrusted_root_error(root, trust))
+                        .split("Remedy: ", 1)[1])
+    listed = _cache.entries(root)
+    for path in listed:
+        description = _describe(path)
+        print(f"    {path.name}  {description}")
+        if description.startswith("NOT LOADABLE") and _cache.inspect_entry(path).untrusted:
+            problems.append(f"{description[len('NOT LOADABLE: '):]}: it is skipped; `deform-conv clean` removes it")
     if not listed:
         print("    (no entries)")
 
-    for variant in _build.wanted_variants():
-        found = _build.find_complete_entry(variant, root)
-        prebuilt = _build.read_key(_build.PREBUILT, _build.prebuilt_key_file(variant))
-        if prebuilt and prebuilt.get("environment") == _build.environment_inputs(variant):
-            print(f"  {variant.kind:12s} bundled at install time ({_build.PREBUILT})")
+    for variant in _variant.wanted_variants():
+        environment = _variant.environment_inputs(variant)
+        found, _skipped = _loader.find_entry(variant, root, environment, any_toolchain=not (cxx and writable),
+                                             warn=False)
+        if _loader.matching_prebuilt(variant, environment).usable:
+            print(f"  {variant.kind:12s} bundled at install time ({_loader.PREBUILT})")
         elif found:
-            print(f"  {variant.kind:12s} built: {found[0].name}")
+            print(f"  {variant.kind:12s} built: {found.path.name}")
         else:
             print(f"  {variant.kind:12s} not built for the current key: the next import builds it "
                   "(or run `deform-conv build`)")
@@ -113,22 +114,30 @@ def doctor() -> int:
 
 
 def clean(stale_only: bool) -> int:
-    """Removes cache entries (only those the current torch/sources/flags would not load, with stale_only),
-    plus leftovers of killed builds and failed-build logs."""
-    root = _build.cache_root()
+    """Removes what the package keeps in the cache root, and nothing else: entries (with --stale, only those the
+    current setup would not load), leftovers of killed builds, failed-build logs, the compiler-version memo and
+    the lock files (the last three not with --stale)."""
+    root = _loader.cache_root()
     keep = set()
     if stale_only:
-        for variant in _build.wanted_variants():
-            found = _build.find_complete_entry(variant, root)
+        any_toolchain = not (_toolchain.find_cxx() and _cache.can_write(root))  # as the loader would choose
+        for variant in _variant.wanted_variants():
+            found, _skipped = _loader.find_entry(variant, root, _variant.environment_inputs(variant),
+                                                 any_toolchain=any_toolchain, warn=False)
             if found:
-                keep.add(found[0])
+                keep.add(found.path)
     removed = 0
-    for directory, _key in entries(root):
-        if directory not in keep:
-            shutil.rmtree(directory)
+    for path in _cache.entries(root):
+        if path not in keep:
+            _cache.discard(path, root)
             removed += 1
-            print(f"removed {directory}")
-    for leftover in list(root.glob(".build-*")) + list(root.glob(".trash-*")) + ([root / "logs"] if not stale_only else []):
-        shutil.rmtree(leftover, ignore_errors=True)
+            print(f"removed {path}")
+    leftovers = list(root.glob(".build-*")) + list(root.glob(".trash-*"))
+    if not stale_only:
+        leftovers += [root / name for name in ("logs", ".locks", _cache.TOOLCHAINS_FILE)]
+        leftovers += list(root.glob(f".{_cache.TOOLCHAINS_FILE}.*"))  # replace_file's temporaries
+    for leftover in leftovers:
+        if os.path.lexists(leftover):
+            _cache.discard(leftover, root)
     print(f"{removed} entr{'y' if removed == 1 else 'ies'} removed from {root}")
     return 0

@@ -1,4 +1,4 @@
-"""What each kernel library is compiled from and with: the one list shared by the JIT loader (_build.py)
+"""What each kernel library is compiled from and with: the one list shared by the JIT loader (_compile.py)
 and the opt-in ahead-of-time build (setup.py). Plain data, no imports, so setup.py can read it by path."""
 
 CSRC_DIR = "csrc"  # relative to the package directory
@@ -14,8 +14,9 @@ CPU_SOURCES = (
 # The device-independent sources are compiled into both: libraries are loaded with local symbol visibility.
 CUDA_SOURCES = ("conv_params.cpp", "columns_driver.cpp", "cuda/deform_conv_cuda.cu")
 
-# -fopenmp makes at::parallel_for use threads (its OpenMP backend is header code compiled into the library);
-# the libgomp.so.1 it links resolves to the one torch has already loaded.
+# -fopenmp makes at::parallel_for use threads (its OpenMP backend is header code compiled into the library). With
+# GCC the link names the OpenMP runtime torch loaded instead of -fopenmp's -lgomp (_compile.link_flags), so
+# that the library uses torch's runtime and thread count.
 # --as-needed drops the libraries cpp_extension always lists but the library does not use (libtorch_python
 # among them, which would tie it to one Python version).
 # -ffp-contract=off: no multiply-add is fused behind our back. GCC otherwise fuses in some of the code paths it

@@ -17,6 +17,8 @@ from typing import Dict, Optional
 
 import torch
 
+from . import _cache
+
 
 def cxx_name() -> str:
     """The C++ compiler torch.utils.cpp_extension will call: ``$CXX``, else ``c++``."""
@@ -85,29 +87,55 @@ def fingerprint(executable: str) -> str:
     return f"{resolved}|{st.st_size}|{st.st_mtime_ns}"
 
 
+def read_memo(memo_file: Path) -> Dict[str, str]:
+    """The memo's fingerprint -> version map; empty unless the file is trusted and exactly such a map."""
+    memo = _cache.read_trusted_json(memo_file)
+    if not isinstance(memo, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in memo.items()):
+        return {}
+    return memo
+
+
 def identify(executable: str, memo_file: Optional[Path], known: Optional[Dict[str, str]] = None) -> str:
     """Version line of ``executable``: from ``known`` or the memo (fingerprint -> version) when the binary is
-    unchanged, else by running it (and remembering the answer in the memo when it is writable)."""
+    unchanged, else by running it (and remembering the answer in the memo when its directory is ours)."""
     fingerprint_now = fingerprint(executable)
     memo: Dict[str, str] = dict(known or {})
-    if memo_file is not None and memo_file.is_file():
-        try:
-            memo.update(json.loads(memo_file.read_text()))
-        except (OSError, ValueError):
-            pass
+    if memo_file is not None:
+        memo.update(read_memo(memo_file))
     if fingerprint_now in memo:
         return memo[fingerprint_now]
     version = _probe(executable)
     memo[fingerprint_now] = version
-    if memo_file is not None:
+    if memo_file is not None and memo_file.parent.is_dir() and _cache.root_problem(memo_file.parent) is None:
         try:  # a read-only cache simply does not remember
-            memo_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = memo_file.with_name(f"{memo_file.name}.{os.getpid()}")
-            tmp.write_text(json.dumps(memo, indent=1, sort_keys=True))
-            os.replace(tmp, memo_file)
+            _cache.replace_file(memo_file, json.dumps(memo, indent=1, sort_keys=True).encode())
         except OSError:
             pass
     return version
+
+
+def is_gcc(version_line: str) -> bool:
+    """Whether ``c++ --version``'s first line is GCC's. GCC's reads "NAME (PKGVERSION) VERSION" with whatever name
+    it was called by (c++, g++, x86_64-linux-gnu-g++-12); Clang and Intel's compilers name themselves."""
+    line = version_line.lower()
+    return not any(other in line for other in ("clang", "intel", "unusable", "no version"))
+
+
+_OPENMP_RUNTIME = re.compile(r"^lib(gomp|omp|iomp5)([-.].*)?\.so(\.[\d.]+)?$")
+
+
+def torch_openmp_runtime() -> Optional[Path]:
+    """The OpenMP runtime this process loaded for torch (from /proc/self/maps), or None (no OpenMP, or not
+    Linux). PyPI's x86-64 wheels load torch/lib/libgomp.so.1, the aarch64 ones a renamed libgomp-<hash>.so.1.0.0."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(None, 5)[5].strip() for line in maps if len(line.split(None, 5)) == 6}
+    except OSError:
+        return None
+    found = sorted(Path(p) for p in paths if p.startswith("/") and _OPENMP_RUNTIME.match(Path(p).name))
+    torch_lib = Path(torch.__file__).resolve().parent / "lib"
+    found.sort(key=lambda p: p.parent != torch_lib)  # torch's own copy first, should two be loaded
+    return found[0] if found else None
 
 
 def nvcc_release(version_line: str) -> Optional[str]:

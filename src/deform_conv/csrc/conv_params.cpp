@@ -15,6 +15,20 @@ void check_strided(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.layout() == at::kStrided, name, " must be a dense (strided) tensor, got layout ", t.layout());
 }
 
+// Size arithmetic on values a direct torch.ops call (TorchScript, an exported program) may set near 2^63:
+// checked, never wrapped (signed overflow is undefined behaviour; a wrapped size samples the wrong pixels).
+int64_t checked_mul(int64_t a, int64_t b, const char* what) {
+  int64_t result = 0;
+  TORCH_CHECK(!__builtin_mul_overflow(a, b, &result), what, " overflows int64 (", a, " * ", b, ")");
+  return result;
+}
+
+int64_t checked_add(int64_t a, int64_t b, const char* what) {
+  int64_t result = 0;
+  TORCH_CHECK(!__builtin_add_overflow(a, b, &result), what, " overflows int64 (", a, " + ", b, ")");
+  return result;
+}
+
 void check_like_input(const at::Tensor& t, const char* name, const at::Tensor& input) {
   check_strided(t, name);
   TORCH_CHECK(t.scalar_type() == input.scalar_type(), name, " must have the input's dtype ", input.scalar_type(),
@@ -67,19 +81,31 @@ ConvParams make_conv_params(const at::Tensor& input, const at::Tensor& offset, c
   TORCH_CHECK(p.out_channels % p.groups == 0, "weight.shape[0] (", p.out_channels,
               ") must be divisible by groups = in_channels / weight.shape[1] = ", p.groups);
 
-  const int64_t offset_per_group = 2 * p.taps();
+  const int64_t offset_per_group = checked_mul(2, checked_mul(p.kernel_h, p.kernel_w, "weight: kernel_h * kernel_w"),
+                                               "weight: 2 * kernel_h * kernel_w");
   TORCH_CHECK(offset.size(1) > 0 && offset.size(1) % offset_per_group == 0, "offset.shape[1] must be a positive multiple of 2 * kernel_h * kernel_w = ",
               offset_per_group, ", got ", offset.size(1));
   p.offset_groups = offset.size(1) / offset_per_group;
   TORCH_CHECK(p.in_channels % p.offset_groups == 0, "offset_groups = offset.shape[1] / (2 * kernel_h * kernel_w) = ",
               p.offset_groups, " must divide the input's channel count (", p.in_channels, ")");
 
-  p.out_h = (p.height + 2 * p.pad_h - p.dilation_h * (p.kernel_h - 1) - 1) / p.stride_h + 1;
-  p.out_w = (p.width + 2 * p.pad_w - p.dilation_w * (p.kernel_w - 1) - 1) / p.stride_w + 1;
-  TORCH_CHECK(p.height + 2 * p.pad_h - p.dilation_h * (p.kernel_h - 1) - 1 >= 0 &&
-                  p.width + 2 * p.pad_w - p.dilation_w * (p.kernel_w - 1) - 1 >= 0,
-              "the output would be smaller than 1x1: input ", p.height, "x", p.width, ", kernel ", p.kernel_h, "x",
-              p.kernel_w, ", padding ", padding, ", dilation ", dilation);
+  // height + 2 * padding - dilation * (kernel - 1) - 1: every sampled row lies in [-padding, height + padding),
+  // so once these fit in int64 so does every coordinate the kernels compute.
+  const int64_t padded_h = checked_add(p.height, checked_mul(2, p.pad_h, "padding: 2 * padding[0]"),
+                                       "padding: height + 2 * padding[0]");
+  const int64_t padded_w = checked_add(p.width, checked_mul(2, p.pad_w, "padding: 2 * padding[1]"),
+                                       "padding: width + 2 * padding[1]");
+  const int64_t extent_h = padded_h - checked_mul(p.dilation_h, p.kernel_h - 1, "dilation: dilation[0] * (kernel_h - 1)") - 1;
+  const int64_t extent_w = padded_w - checked_mul(p.dilation_w, p.kernel_w - 1, "dilation: dilation[1] * (kernel_w - 1)") - 1;
+  TORCH_CHECK(extent_h >= 0 && extent_w >= 0, "the output would be smaller than 1x1: input ", p.height, "x", p.width,
+              ", kernel ", p.kernel_h, "x", p.kernel_w, ", padding ", padding, ", dilation ", dilation);
+  p.out_h = extent_h / p.stride_h + 1;  // cannot overflow: stride >= 1 and extent < padded size <= INT64_MAX
+  p.out_w = extent_w / p.stride_w + 1;
+  // Per-image sizes the kernels index with (a batch of 0 images allows any output size in the offset's shape).
+  const int64_t out_pixels = checked_mul(p.out_h, p.out_w, "padding/stride: the output size out_h * out_w");
+  checked_mul(checked_mul(p.height, p.width, "input: height * width"), p.in_channels, "input: an image's size");
+  checked_mul(checked_mul(out_pixels, p.taps(), "the columns of an image"), p.in_channels, "the columns of an image");
+  checked_mul(out_pixels, p.out_channels, "the output of an image");
   TORCH_CHECK(offset.size(0) == p.batch && offset.size(2) == p.out_h && offset.size(3) == p.out_w,
               "offset must have shape [", p.batch, ", ", offset.size(1), ", ", p.out_h, ", ", p.out_w, "], got ",
               offset.sizes());

@@ -1,0 +1,320 @@
+"""Where cache entries live, whether they may be trusted, and every write the loader makes there.
+
+Layout under the cache root (see :func:`deform_conv._settings.cache_dir`)::
+
+    <tag>-torch<version>-<environment hash>-<toolchain hash>/   one complete entry: key.json, the library, build.log
+    .build-<entry>-XXXX/                                         a build in progress (private; renamed when done)
+    .trash-<entry>-XXXX/                                         something moved out of the way, being deleted
+    .locks/<entry>.lock                                          OS-level lock (released by the kernel if its holder dies)
+    logs/<entry>.log                                             the log of a failed build
+    toolchains.json                                              compiler versions, so warm imports never run them
+
+Trust, as ssh's for its keys: a library runs with the user's rights, so it is loaded only if the root, its
+entry directory, ``key.json`` and the library itself are owned by this user (or root) and writable by nobody
+else, none of them a symlink (the root may be one: its target is checked), the library named by a plain file
+name inside its entry, and no directory above the root lets another user rename it away (each is owned by
+this user or root and writable by others only with the sticky bit, as /tmp). A checksum beside the file it
+checks proves integrity, not origin: the owner and the modes do. Everything the package creates is writable by
+its owner only (directories 0700, files 0600); see the README for a cache a team shares read-only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from ._variant import ENTRY_NAME
+
+KEY_FILE = "key.json"
+TOOLCHAINS_FILE = "toolchains.json"
+STALE_BUILD_SECONDS = 12 * 3600  # a private build directory untouched this long belongs to a dead build
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# key.json's fields and their types, exactly: anything else is not a key this package wrote.
+_CACHE_KEY_FIELDS = {"environment": dict, "toolchain": dict, "toolchain_fingerprints": dict, "library": str,
+                     "library_sha256": str, "build_seconds": (int, float)}
+_BUNDLED_KEY_FIELDS = {"environment": dict, "toolchain": dict, "library": str, "library_sha256": str}
+
+
+def _owner_name(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def ownership_problem(st: os.stat_result, what: str) -> Optional[str]:
+    """Why a file or directory with this stat may not be trusted, or None."""
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"{what} is owned by {_owner_name(st.st_uid)}, not by you or root"
+    if st.st_mode & 0o022:
+        writers = " and ".join(w for bit, w in ((0o020, "its group"), (0o002, "others")) if st.st_mode & bit)
+        return f"{what} is writable by {writers} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _ancestor_problem(directory: Path) -> Optional[str]:
+    """Why a directory above the root would let another user replace it, or None."""
+    for parent in directory.parents:
+        st = os.stat(parent)
+        if st.st_uid not in (os.geteuid(), 0):
+            return f"its parent {parent} is owned by {_owner_name(st.st_uid)}, not by you or root"
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return (f"its parent {parent} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}) without the "
+                    "sticky bit, so they could rename the cache away and put their own in its place")
+    return None
+
+
+def root_problem(root: Path) -> Optional[str]:
+    """Why the cache root (which exists) may not be trusted, or None. A symlinked root is judged by its target."""
+    try:
+        real = Path(os.path.realpath(root))
+        st = os.stat(real)
+        if not stat.S_ISDIR(st.st_mode):
+            return f"the cache root {root} is not a directory"
+        problem = ownership_problem(st, f"the cache root {real}") or _ancestor_problem(real)
+        return problem or (_ancestor_problem(root) if real != root else None)
+    except OSError as exc:
+        return f"the cache root {root} cannot be inspected ({exc.strerror})"
+
+
+def make_root(root: Path) -> None:
+    """Creates the root 0700 if it is missing (its parents as mkdir -p would); raises OSError if it cannot."""
+    if not os.path.lexists(root):
+        root.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(root, 0o700)
+        except FileExistsError:
+            pass  # another process made it at the same moment: root_problem judges it
+
+
+def can_write(root: Path) -> bool:
+    """Whether a build could write into ``root`` (existing or creatable): a read-only mount or mode says no."""
+    target = root
+    while not os.path.lexists(target):
+        target = target.parent
+    return os.access(target, os.W_OK | os.X_OK)
+
+
+# -------------------------------------------------------------------------------------------- reading entries
+
+@dataclasses.dataclass(frozen=True)
+class EntryState:
+    """What lies at an entry's path: a usable entry (``key`` set), something absent, incomplete or untrusted."""
+
+    path: Path
+    key: Optional[dict] = None
+    problem: Optional[str] = None   # why it cannot be used (None with key None: nothing there)
+    untrusted: bool = False          # the problem is one of trust, worth a warning, not just an unfinished build
+
+    @property
+    def usable(self) -> bool:
+        return self.key is not None
+
+
+def _read_trusted_file(path: Path, what: str) -> Tuple[Optional[bytes], Optional[str]]:
+    """(contents, None), or (None, why it may not be read as trusted). Opened without following a symlink."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None, f"{what} {path} is a symlink"
+        return None, f"{what} {path} cannot be read ({exc.strerror})"
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            return None, f"{what} {path} is not a regular file"
+        problem = ownership_problem(st, f"{what} {path}")
+        return (None, problem) if problem else (f.read(), None)
+
+
+def parse_key(data: bytes, bundled: bool = False) -> Optional[dict]:
+    """The key if ``data`` is exactly a key this package writes (fields, types, a plain library file name), else
+    None: a stray or hand-edited key.json counts as absent."""
+    try:
+        key = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    fields = _BUNDLED_KEY_FIELDS if bundled else _CACHE_KEY_FIELDS
+    if not isinstance(key, dict) or set(key) != set(fields):
+        return None
+    if not all(isinstance(key[name], kind) and not isinstance(key[name], bool) for name, kind in fields.items()):
+        return None
+    tool_maps = [key["toolchain"]] + ([] if bundled else [key["toolchain_fingerprints"]])
+    if not all(isinstance(k, str) and isinstance(v, str) for m in tool_maps for k, v in m.items()):
+        return None
+    library = key["library"]
+    if library in ("", ".", "..") or "/" in library or "\0" in library or not _SHA256.match(key["library_sha256"]):
+        return None
+    return key
+
+
+def _sha256_of(f) -> str:
+    digest = hashlib.sha256()
+    for block in iter(lambda: f.read(1 << 20), b""):
+        digest.update(block)
+    return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return _sha256_of(f)
+
+
+def inspect_entry(directory: Path, environment: Optional[Dict[str, object]] = None, key_file: str = KEY_FILE,
+                  bundled: bool = False) -> EntryState:
+    """Whether the entry at ``directory`` may be loaded: the one judgement that the warm path, the build's
+    re-check after taking the lock, ``doctor`` and ``clean --stale`` all use. ``environment``, when given, must
+    equal the key's."""
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return EntryState(directory)
+    except OSError as exc:
+        return EntryState(directory, problem=f"{directory} cannot be inspected ({exc.strerror})", untrusted=True)
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(directory)
+        dangling = "" if os.path.exists(directory) else " (dangling)"
+        return EntryState(directory, problem=f"{directory} is a symlink{dangling} to {target}", untrusted=True)
+    if not stat.S_ISDIR(st.st_mode):
+        return EntryState(directory, problem=f"{directory} is not a directory", untrusted=True)
+    problem = ownership_problem(st, f"the entry {directory}")
+    if problem:
+        return EntryState(directory, problem=problem, untrusted=True)
+    if not os.path.lexists(directory / key_file):
+        return EntryState(directory, problem=f"{directory} is incomplete (no {key_file}: a build in progress or "
+                                             "killed)")
+    data, problem = _read_trusted_file(directory / key_file, "the key")
+    if data is None:
+        return EntryState(directory, problem=problem, untrusted=True)
+    key = parse_key(data, bundled)
+    if key is None:
+        return EntryState(directory, problem=f"{directory / key_file} is not a key this package wrote")
+    if environment is not None and key["environment"] != environment:
+        return EntryState(directory, problem=f"{directory} was built for another torch, source or flags")
+    library = directory / key["library"]
+    try:
+        fd = os.open(library, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        reason = "is a symlink" if exc.errno == errno.ELOOP else f"cannot be read ({exc.strerror})"
+        return EntryState(directory, problem=f"the library {library} {reason}", untrusted=exc.errno == errno.ELOOP)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        problem = (f"the library {library} is not a regular file" if not stat.S_ISREG(st.st_mode)
+                   else ownership_problem(st, f"the library {library}"))
+        if problem:
+            return EntryState(directory, problem=problem, untrusted=True)
+        if _sha256_of(f) != key["library_sha256"]:
+            return EntryState(directory, problem=f"the library {library} is truncated or overwritten (its SHA-256 "
+                                                 "differs from the key's)")
+    return EntryState(directory, key=key)
+
+
+def entries(root: Path) -> List[Path]:
+    """Every path in ``root`` named like an entry (directories, and whatever else lies at such a name)."""
+    try:
+        return sorted(p for p in root.iterdir() if _is_entry_name(p.name))
+    except OSError:
+        return []
+
+
+def _is_entry_name(name: str) -> bool:
+    return bool(ENTRY_NAME.match(name))
+
+
+def read_trusted_json(path: Path) -> object:
+    """The JSON in ``path`` if it is a trusted regular file, else None (missing, untrusted or not JSON)."""
+    data, _problem = _read_trusted_file(path, "the file")
+    if data is None:
+        return None
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+# ------------------------------------------------------------------------------------------------- writing
+
+def write_new_file(path: Path, data: bytes) -> None:
+    """Creates ``path`` (0600) and writes ``data``: fails rather than write through anything already there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Writes ``data`` to a new temporary file beside ``path`` (mkstemp: O_EXCL, 0600) and renames it over
+    ``path``: a symlink planted at ``path`` is replaced, never written through."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def own_directory(root: Path, name: str) -> Path:
+    """``root/name`` as a real directory of ours, writable by us only: anything else at that name (a symlink, a
+    file, someone else's directory) is moved out of the way first."""
+    path = root / name
+    try:
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode) and ownership_problem(st, "") is None:
+            return path
+        discard(path, root)
+    except FileNotFoundError:
+        pass
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:  # another process made it meanwhile
+        return own_directory(root, name)
+    return path
+
+
+def discard(path: Path, root: Path) -> None:
+    """Removes ``path`` (an entry, a symlink, a leftover): first renamed into a private directory, so that the
+    name is free at once and nothing half-deleted is ever seen under it; rmtree follows no symlink."""
+    trash = Path(tempfile.mkdtemp(prefix=f".trash-{path.name}-", dir=root))
+    try:
+        os.rename(path, trash / "old")
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def harden(directory: Path) -> None:
+    """Drops group and other access from everything a build wrote (the linker follows the umask), so that the
+    published entry passes :func:`ownership_problem`."""
+    for path in [directory, *directory.rglob("*")]:
+        st = os.lstat(path)
+        if not stat.S_ISLNK(st.st_mode):
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+
+
+def stale_builds(root: Path, entry_name: str) -> Iterator[Path]:
+    """Private build directories for ``entry_name`` that nothing has touched for STALE_BUILD_SECONDS: left by a
+    killed build. Judged by age, not by the lock, as on some file systems the lock does not exclude."""
+    now = time.time()
+    for path in root.glob(f".build-{entry_name}-*"):
+        try:
+            newest = max(os.lstat(p).st_mtime for p in [path, *path.rglob("*")])
+        except OSError:
+            continue
+        if now - newest > STALE_BUILD_SECONDS:
+            yield path

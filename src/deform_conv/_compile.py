@@ -1,0 +1,170 @@
+"""How a library is compiled: torch.utils.cpp_extension in a child process that cannot outlive its importer,
+its log, and an error whose remedy matches the cause.
+
+The child runs in a process group (a session) of its own, with ninja and the compilers under it. A watchdog
+thread in the child reads a pipe whose only writer is the importing process: when the importer dies, even by
+SIGKILL, the pipe reaches end-of-file and the watchdog kills the whole group. When the importer is interrupted
+(SIGINT, a notebook's "interrupt kernel"), it kills the group itself and re-raises the KeyboardInterrupt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+from . import _settings, _sources, _toolchain
+from ._errors import BuildError
+from ._progress import Elapsed
+from ._variant import CSRC, Variant
+
+# Runs in the child: cpp_extension.load always loads what it built, and the importer must load only the published
+# library (and a CLI prebuild for other GPU archs must not load at all).
+_CHILD = """
+import json, os, signal, sys, threading
+
+def watch(fd):
+    while os.read(fd, 1):
+        pass
+    os.killpg(0, signal.SIGKILL)  # the importer is gone: stop ninja, the compilers and this process
+
+threading.Thread(target=watch, args=(int(sys.argv[2]),), daemon=True).start()
+from torch.utils import cpp_extension
+try:
+    cpp_extension.load(**json.loads(sys.argv[1]))
+except Exception as exc:
+    print(f"deform_conv build: {type(exc).__name__}: {exc}".splitlines()[0])
+    sys.exit(1)
+"""
+
+LOG_FILE = "build.log"
+
+
+def _build_environment(variant: Variant) -> Dict[str, str]:
+    env = dict(os.environ)
+    jobs = _settings.max_jobs()
+    if jobs is None:
+        jobs = _toolchain.default_max_jobs(gib_per_job=3.0 if variant.kind == "cuda" else 1.5)
+    env["MAX_JOBS"] = str(jobs)
+    if variant.kind == "cuda":
+        env["TORCH_CUDA_ARCH_LIST"] = ";".join(variant.cuda_archs)
+        env["CUDA_HOME"] = str(_toolchain.cuda_home())  # the toolkit check_prerequisites checked
+    return env
+
+
+def link_flags(variant: Variant, cxx_version: str) -> List[str]:
+    """The key's link flags plus the OpenMP runtime torch itself loaded, named by path so that our parallel
+    regions and torch's share one runtime and one thread count (on aarch64, PyPI's torch ships libgomp under a
+    renamed file that -fopenmp would not find: it would link the system's, a second runtime). The path is not
+    part of the key: what the library records is the runtime's soname, the same for one torch build."""
+    runtime = _toolchain.torch_openmp_runtime()
+    flags = list(variant.ld_flags)
+    if runtime is not None and _toolchain.is_gcc(cxx_version):
+        flags = [f for f in flags if f != "-fopenmp"] + [str(runtime)]
+    return flags
+
+
+def run(variant: Variant, name: str, directory: Path, tools: Dict[str, str]) -> None:
+    """Compiles ``variant`` into ``directory`` (a private directory of ours) with the compiler whose version line
+    is ``tools["cxx"]``; the compiler's output goes to ``directory/build.log`` (and to the terminal with
+    DEFORM_CONV_VERBOSE=1). Raises CompileFailed when the compile fails (:func:`failure` makes the message)."""
+    verbose = _settings.verbose()
+    args = dict(
+        name=name,
+        sources=[str(CSRC / s) for s in variant.sources],
+        extra_cflags=list(variant.cxx_flags),
+        extra_ldflags=link_flags(variant, tools["cxx"]),
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=True,  # ninja's output goes to the log either way
+        with_cuda=variant.kind == "cuda",
+    )
+    if variant.kind == "cuda":
+        args["extra_cuda_cflags"] = list(_sources.NVCC_FLAGS)
+    env = _build_environment(variant)
+    watchdog_read, watchdog_write = os.pipe()
+    command = [sys.executable, "-c", _CHILD, json.dumps(args), str(watchdog_read)]
+    log_fd = os.open(directory / LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(log_fd, "w") as log, Elapsed(f"compiling the {variant.label}", quiet=verbose):
+        try:
+            child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     errors="replace", env=env, cwd=directory, start_new_session=True,
+                                     pass_fds=(watchdog_read,))
+        finally:
+            os.close(watchdog_read)
+        try:
+            assert child.stdout is not None
+            for line in child.stdout:
+                log.write(line)
+                if verbose:
+                    sys.stdout.write(line)
+            returncode = child.wait()
+        except BaseException:  # KeyboardInterrupt above all: the compile must not run on without us
+            _kill_group(child)
+            raise
+        finally:
+            os.close(watchdog_write)
+    if returncode != 0:
+        raise CompileFailed(returncode, int(env["MAX_JOBS"]))
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    child.wait()
+
+
+class CompileFailed(Exception):
+    """The child exited with ``returncode``; :func:`failure` turns it into the user's BuildError."""
+
+    def __init__(self, returncode: int, jobs: int) -> None:
+        super().__init__(returncode)
+        self.returncode, self.jobs = returncode, jobs
+
+
+def _log_excerpt(lines: List[str], first_lines: int = 15, last_lines: int = 10) -> str:
+    """The compiler's first error with the lines after it (later errors are often consequences), then the
+    log's last lines."""
+    first_error = next((i for i, line in enumerate(lines) if re.search(r"\berror\b", line)), None)
+    if first_error is None or first_error >= len(lines) - last_lines:
+        return "The compiler's last lines:\n" + "\n".join(lines[-(first_lines + last_lines):])
+    return ("The compiler's first error:\n" + "\n".join(lines[first_error:first_error + first_lines])
+            + "\n...\nThe log's last lines:\n" + "\n".join(lines[-last_lines:]))
+
+
+def _remedy(variant: Variant, failed: CompileFailed, log: str) -> str:
+    """The remedy that matches what the log shows."""
+    if (failed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) or "Killed signal terminated program" in log
+            or re.search(r"^Killed$", log, re.MULTILINE) or "exit status 137" in log):
+        return (f"a compiler was killed (SIGKILL), most likely by the out-of-memory killer: this build ran "
+                f"{failed.jobs} jobs at once. Set MAX_JOBS to fewer (e.g. MAX_JOBS={max(1, failed.jobs // 2)}), or "
+                "free memory, and import again.")
+    if re.search(r"omp\.h['’]?:? (No such file|file not found)|'omp\.h' file not found", log):
+        return ("the compiler has no OpenMP headers (omp.h). Install its OpenMP development package: for GCC, "
+                "Debian/Ubuntu `apt-get install libgomp1 g++` (Fedora: `dnf install libgomp gcc-c++`); for Clang, "
+                "Debian/Ubuntu `apt-get install libomp-dev` (Fedora: `dnf install libomp-devel`). Or point $CXX at "
+                "a compiler that has them.")
+    return (f"read the first error in the log. A compiler older than GCC 9 or Clang 10 cannot build torch "
+            f"{torch.__version__}'s headers: point $CXX at a newer one. Set DEFORM_CONV_VERBOSE=1 to see every "
+            "command, or DEFORM_CONV_FALLBACK=reference to run the slow pure-PyTorch implementation.")
+
+
+def failure(variant: Variant, failed: CompileFailed, log_path: Path) -> BuildError:
+    """The BuildError for a failed compile whose log now lies at ``log_path``."""
+    try:
+        log = log_path.read_text(errors="replace").rstrip()
+    except OSError:
+        log = ""
+    return BuildError(
+        f"compiling deform_conv's {variant.label} failed (exit code {failed.returncode}).\n"
+        f"{_log_excerpt(log.splitlines())}\n\nFull log: {log_path}\nRemedy: {_remedy(variant, failed, log)}"
+    )

@@ -1,0 +1,388 @@
+"""Loads each kernel library, building it once per machine: the bundled library, else a trusted cache entry,
+else a build under a lock.
+
+A library has no Python bindings (no pybind11, no ``Python.h``): it only registers ops with the dispatcher,
+so it is loaded with ``torch.ops.load_library`` and does not depend on the Python version.
+
+Warm path: a stat of the compiler, the trust checks and a hash of the library (``_cache.inspect_entry``),
+``torch.ops.load_library``; no compiler, ninja or cpp_extension. Build path: lock, the same check again, compile
+in a private directory (``_compile``), write key.json last, rename into place.
+
+Sanitizer mode, for tests: ``DEFORM_CONV_SANITIZE=1`` (= ``address,undefined``, or a list of those) builds the
+CPU library with ``-fsanitize=...`` at ``-O1 -g`` into an entry of its own (tag ``cpu-sanitize_...``, sanitize
+in the key), so a plain import never loads it and vice versa. The CUDA library is never instrumented. An ASan
+library loads only into a process started with the ASan runtime preloaded (:func:`check_sanitizer_runtime`
+says how; scripts/sanitize-tests does it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+
+from . import _cache, _compile, _settings, _toolchain
+from ._cache import EntryState
+from ._errors import BuildError
+from ._progress import Elapsed, say
+from ._variant import PACKAGE_DIR, Variant, entry_name, entry_prefix, environment_inputs
+
+PREBUILT = PACKAGE_DIR / "_prebuilt"  # libraries built at install time with DEFORM_CONV_AOT=1 (setup.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedLibrary:
+    """What ``import deform_conv`` loaded, for the self-check, ``doctor`` and bug reports."""
+
+    variant: Variant
+    path: Path
+    entry: Path             # its cache entry (or the bundled _prebuilt directory)
+    from_cache: bool        # False when this process compiled it
+    build_seconds: float    # 0.0 when loaded from the cache
+    load_seconds: float
+
+
+def cache_root() -> Path:
+    """``$DEFORM_CONV_CACHE_DIR``, else ``$XDG_CACHE_HOME/deform_conv``, else ``~/.cache/deform_conv``; absolute."""
+    return _settings.cache_dir()
+
+
+def _tool_paths(variant: Variant) -> Optional[Dict[str, str]]:
+    """Where the compiler (and for CUDA, nvcc) is; None when one is missing."""
+    paths = {"cxx": _toolchain.find_cxx()}
+    if variant.kind == "cuda":
+        paths["nvcc"] = _toolchain.find_nvcc()
+    return None if None in paths.values() else paths  # type: ignore[return-value]
+
+
+def _recorded_versions(root: Path, prefix: str) -> Dict[str, str]:
+    """fingerprint -> version of the tools that built this environment's trusted entries (their keys say)."""
+    known: Dict[str, str] = {}
+    for directory in root.glob(f"{prefix}-*"):
+        key = _cache.inspect_entry(directory).key
+        if key is not None:
+            known.update({fp: key["toolchain"][name] for name, fp in key["toolchain_fingerprints"].items()
+                          if name in key["toolchain"]})
+    return known
+
+
+def toolchain_inputs(variant: Variant, root: Path, environment: Dict[str, object]) -> Optional[Dict[str, str]]:
+    """The compiler's (and for CUDA, nvcc's) id and version; None when a tool is missing. A binary that built
+    one of this environment's entries, or was asked before, is recognised by a stat: the warm path runs no tool
+    then (only a compiler never seen here is asked its version, once)."""
+    paths = _tool_paths(variant)
+    if paths is None:
+        return None
+    known = _recorded_versions(root, entry_prefix(variant, environment))
+    memo = root / _cache.TOOLCHAINS_FILE
+    return {name: _toolchain.identify(path, memo, known) for name, path in paths.items()}
+
+
+def _load(variant: Variant, state: EntryState, build_seconds: Optional[float] = None) -> LoadedLibrary:
+    check_sanitizer_runtime(variant)
+    assert state.key is not None
+    library = state.path / state.key["library"]
+    timer = Elapsed("loading", quiet=True)
+    try:
+        with timer:
+            torch.ops.load_library(str(library))
+    except OSError as exc:  # e.g. an entry copied from a machine with another C library
+        causes = []  # torch >= 2.6 re-raises as "Could not load this library": the loader's own words are below
+        cause: Optional[BaseException] = exc
+        while cause is not None:
+            causes.append(str(cause))
+            cause = cause.__cause__ or cause.__context__
+        raise BuildError(
+            f"loading {library} failed: {causes[-1]}\nRemedy: delete {state.path} (or run `deform-conv clean`) so "
+            "that it is rebuilt here, or copy an entry built on a machine like this one (the dynamic loader's "
+            "message above names what it could not find)."
+        ) from exc
+    return LoadedLibrary(variant, library, state.path, build_seconds is None, build_seconds or 0.0, timer.seconds)
+
+
+def prebuilt_key_file(variant: Variant) -> str:
+    return f"{variant.kind}.json"
+
+
+def write_prebuilt_key(variant: Variant, library: Path) -> None:
+    """Records the key of a library built at install time (setup.py, DEFORM_CONV_AOT=1) beside it."""
+    environment = environment_inputs(variant)
+    tools = toolchain_inputs(variant, cache_root(), environment)
+    key = {"environment": environment, "toolchain": tools, "library": library.name,
+           "library_sha256": _cache.file_sha256(library)}
+    (library.parent / prebuilt_key_file(variant)).write_text(json.dumps(key, indent=2, sort_keys=True) + "\n")
+
+
+def matching_prebuilt(variant: Variant, environment: Dict[str, object]) -> EntryState:
+    """The library bundled at install time (DEFORM_CONV_AOT=1) if it was built for exactly this environment."""
+    return _cache.inspect_entry(PREBUILT, environment, prebuilt_key_file(variant), bundled=True)
+
+
+def _warn_untrusted(state: EntryState) -> None:
+    warnings.warn(f"deform_conv: not loading {state.path}: {state.problem}", RuntimeWarning, stacklevel=4)
+
+
+def find_entry(variant: Variant, root: Path, environment: Dict[str, object], any_toolchain: bool,
+               warn: bool = True) -> Tuple[Optional[EntryState], List[EntryState]]:
+    """The usable entry for this variant, and the untrusted ones skipped on the way (each with a warning): the
+    entry built by the compiler on PATH, or, with ``any_toolchain`` (no compiler, or a cache that cannot be
+    written: the compiler matters only when building), any trusted entry built for exactly this environment, the
+    newest first. Never is an entry preferred for how its name sorts."""
+    if not root.is_dir():
+        return None, []
+    tools = toolchain_inputs(variant, root, environment)
+    exact = root / entry_name(variant, environment, tools) if tools is not None else None
+    others = [p for p in root.glob(entry_prefix(variant, environment) + "-*") if p != exact] if any_toolchain else []
+    skipped = []
+    for directory in ([exact] if exact is not None else []) + sorted(others, key=_key_mtime, reverse=True):
+        state = _cache.inspect_entry(directory, environment)
+        if state.usable:
+            return state, skipped
+        if state.untrusted:
+            skipped.append(state)
+            if warn:
+                _warn_untrusted(state)
+    return None, skipped
+
+
+def _key_mtime(directory: Path) -> float:
+    try:
+        return os.lstat(directory / _cache.KEY_FILE).st_mtime
+    except OSError:
+        return 0.0
+
+
+def untrusted_root_error(root: Path, problem: str) -> BuildError:
+    return BuildError(
+        f"the kernel cache {root} may not be trusted: {problem}. Libraries found there could have been written by "
+        "another user, and a library runs with your rights.\nRemedy: set DEFORM_CONV_CACHE_DIR to a directory of "
+        f"your own (it is created 0700), or make {root} and its parents yours and writable only by you "
+        "(`chmod go-w`); see the README's section on the trust model."
+    )
+
+
+def load(variant: Variant) -> LoadedLibrary:
+    """Loads ``variant``'s library: the bundled one if its key matches, else the trusted cache entry, building it
+    first if this machine has none (or, where nothing can be built, any trusted entry for this environment)."""
+    environment = environment_inputs(variant)
+    prebuilt = matching_prebuilt(variant, environment)
+    if prebuilt.usable:
+        return _load(variant, prebuilt)
+    if prebuilt.untrusted:
+        _warn_untrusted(prebuilt)
+    root = cache_root()
+    if os.path.lexists(root):
+        problem = _cache.root_problem(root)
+        if problem is not None:
+            raise untrusted_root_error(root, problem)
+    buildable = _tool_paths(variant) is not None and _cache.can_write(root)
+    found, skipped = find_entry(variant, root, environment, any_toolchain=not buildable)
+    if found is not None:
+        return _load(variant, found)
+    try:
+        if not buildable and _tool_paths(variant) is not None:
+            raise BuildError(
+                f"the {variant.label} are not built for this torch/source/flags in {root}, which cannot be written, "
+                "so they cannot be built there.\nRemedy: set DEFORM_CONV_CACHE_DIR to a writable directory of "
+                "yours, or build them where the cache is writable (`deform-conv build`)."
+            )
+        loaded = build(variant, root)
+    except BuildError as error:
+        if not skipped:
+            raise
+        untrusted = "".join(f"\n  {s.path}: {s.problem}" for s in skipped)
+        raise BuildError(f"{error}\nSkipped as untrusted (remove them, or rebuild as their owner):{untrusted}") from None
+    assert isinstance(loaded, LoadedLibrary)
+    return loaded
+
+
+def check_sanitizer_runtime(variant: Variant) -> None:
+    """Raises BuildError with the remedy when ``variant`` is built with ASan and this process was not started
+    with ASan's runtime and libstdc++ preloaded. Without libasan, the library would load it as a dependency, too
+    late: the runtime aborts with "ASan runtime does not come first in initial library list". Without libstdc++
+    at start-up (python does not link it), ASan's __cxa_throw interceptor finds no real one, and the first C++
+    exception aborts with "CHECK failed: asan_interceptors.cpp ... real___cxa_throw". (UBSan's runtime loads
+    fine as a dependency.)"""
+    if "address" not in variant.sanitize:
+        return
+    import ctypes
+
+    asan = hasattr(ctypes.CDLL(None), "__asan_init")  # preloaded: its symbols are in the global scope
+    if asan and "libstdc++" in os.environ.get("LD_PRELOAD", ""):
+        return
+    cxx = _toolchain.cxx_name()
+    missing = "libstdc++ preloaded with it" if asan else "the AddressSanitizer runtime preloaded"
+    raise BuildError(
+        f"DEFORM_CONV_SANITIZE={os.environ.get('DEFORM_CONV_SANITIZE', '')} asks for the {variant.label}, which need "
+        f"python started with {missing}.\n"
+        f'Remedy: run with LD_PRELOAD="$({cxx} -print-file-name=libasan.so) $({cxx} -print-file-name=libstdc++.so)" '
+        "ASAN_OPTIONS=detect_leaks=0 (python itself leaks by design), as scripts/sanitize-tests does; or unset "
+        "DEFORM_CONV_SANITIZE."
+    )
+
+
+def check_prerequisites(variant: Variant) -> None:
+    """Raises BuildError with a remedy for each tool a build needs and does not find, before compiling."""
+    check_sanitizer_runtime(variant)  # the build's child process loads what it built
+    if _toolchain.find_cxx() is None:
+        raise BuildError(
+            f"no C++ compiler found (looked for {_toolchain.cxx_name()!r} on PATH) to build deform_conv's "
+            f"{variant.label}.\nRemedy: install one (Debian/Ubuntu: `apt-get install g++`; conda: "
+            "`conda install gxx`) or point $CXX at it; or copy a prebuilt cache entry here (see the README), or "
+            "set DEFORM_CONV_FALLBACK=reference to run the slow pure-PyTorch implementation."
+        )
+    if _toolchain.ensure_ninja_on_path() is None:
+        raise BuildError("ninja not found, which the build needs.\nRemedy: `pip install ninja`.")
+    if variant.kind != "cuda":
+        return
+    if _toolchain.find_nvcc() is None:
+        raise BuildError(
+            f"CUDA_HOME not found (or without bin/nvcc): no nvcc for deform_conv's {variant.label}.\nRemedy: install "
+            f"the CUDA toolkit matching torch's CUDA {torch.version.cuda} and set CUDA_HOME to it (nvcc is "
+            "$CUDA_HOME/bin/nvcc); or set DEFORM_CONV_CUDA=0 to use the CPU kernels only."
+        )
+    nvcc = _toolchain.identify(_toolchain.find_nvcc(), cache_root() / _cache.TOOLCHAINS_FILE)
+    release = _toolchain.nvcc_release(nvcc)
+    if release is None or release.split(".")[0] != _toolchain.torch_cuda_major():
+        raise BuildError(
+            f"nvcc's CUDA ({nvcc} at {_toolchain.find_nvcc()}) differs in major version from the CUDA torch was "
+            f"built with ({torch.version.cuda}); the library would not load.\nRemedy: point CUDA_HOME at a CUDA "
+            f"{_toolchain.torch_cuda_major()}.x toolkit, or install the torch build for CUDA {release}."
+        )
+
+
+# ----------------------------------------------------------------------------------------------- build path
+
+def build(variant: Variant, root: Path, load: bool = True) -> Union[LoadedLibrary, Path]:
+    """Builds ``variant`` into its cache entry under ``root`` (or waits for another process that is
+    building it), then loads it; with ``load=False`` only builds it and returns the entry."""
+    check_prerequisites(variant)
+    try:
+        _cache.make_root(root)
+    except OSError as exc:
+        raise BuildError(
+            f"cannot create the cache {root} ({exc.strerror}) to build deform_conv's {variant.label}.\n"
+            "Remedy: set DEFORM_CONV_CACHE_DIR to a writable directory."
+        ) from exc
+    problem = _cache.root_problem(root)
+    if problem is not None:
+        raise untrusted_root_error(root, problem)
+    try:
+        return _build_locked(variant, root, load)
+    except OSError as exc:
+        if exc.errno == errno.ENOLCK:
+            raise BuildError(
+                f"the file system of the cache {root} does not support file locks (ENOLCK), which keep concurrent "
+                "builds apart.\nRemedy: put the cache on a local disk: set DEFORM_CONV_CACHE_DIR to a directory "
+                "there (e.g. under /tmp or ~/.cache)."
+            ) from exc
+        raise BuildError(
+            f"building deform_conv's {variant.label} in {root} failed: {exc}\n"
+            "Remedy: make the cache writable, or set DEFORM_CONV_CACHE_DIR to a writable directory."
+        ) from exc
+
+
+def _acquire(lock, variant: Variant, entry: Path) -> None:
+    from filelock import Timeout
+
+    try:
+        lock.acquire(timeout=0)
+        return
+    except Timeout:
+        pass
+    say(f"waiting for another process that is compiling the {variant.label} into {entry}")
+    waited = 0
+    while True:  # say so every minute: a stopped holder must not look like a silent hang
+        try:
+            lock.acquire(timeout=60)
+            return
+        except Timeout:
+            waited += 60
+            say(f"still waiting ({waited} s) for the lock {lock.lock_file}, held by another process")
+
+
+def _build_locked(variant: Variant, root: Path, load: bool) -> Union[LoadedLibrary, Path]:
+    from filelock import FileLock
+
+    environment = environment_inputs(variant)
+    tools = toolchain_inputs(variant, root, environment)
+    assert tools is not None  # check_prerequisites found every tool
+    entry = root / entry_name(variant, environment, tools)
+    lock = FileLock(str(_cache.own_directory(root, ".locks") / f"{entry.name}.lock"))
+    _acquire(lock, variant, entry)
+    try:
+        state = _cache.inspect_entry(entry, environment)  # the warm path's judgement, again
+        if state.usable:  # built by the process we waited for
+            return _load(variant, state) if load else entry
+        for stale in _cache.stale_builds(root, entry.name):
+            _cache.discard(stale, root)
+        private = Path(tempfile.mkdtemp(prefix=f".build-{entry.name}-", dir=root))
+        try:
+            key, seconds = _compile_into(variant, environment, tools, entry, private)
+            published = _publish(private, entry, environment, root)
+        finally:
+            if private.exists():
+                _cache.discard(private, root)
+        say(f"compiled the {variant.label} in {seconds:.1f} s")
+        return _load(variant, published, build_seconds=seconds) if load else entry
+    finally:
+        lock.release()
+
+
+def _compile_into(variant: Variant, environment: Dict[str, object], tools: Dict[str, str], entry: Path,
+                  private: Path):
+    cuda = f" / CUDA {torch.version.cuda}" if variant.kind == "cuda" else ""
+    say(f"compiling the {variant.label} for torch {torch.__version__}{cuda} into {entry} "
+        "(once; later imports load it)")
+    name = "deform_conv_" + variant.kind + "_" + entry.name.rsplit("-", 2)[1]
+    timer = Elapsed("build", quiet=True)
+    try:
+        with timer:
+            _compile.run(variant, name, private, tools)
+    except _compile.CompileFailed as failed:
+        log = _cache.own_directory(private.parent, "logs") / f"{entry.name}.log"
+        os.replace(private / _compile.LOG_FILE, log)  # a rename: replaces whatever lies at that name
+        raise _compile.failure(variant, failed, log) from None
+    _cache.harden(private)
+    library = f"{name}.so"
+    key = {
+        "environment": environment,
+        "toolchain": tools,
+        "toolchain_fingerprints": {n: _toolchain.fingerprint(p) for n, p in (_tool_paths(variant) or {}).items()},
+        "library": library,
+        "library_sha256": _cache.file_sha256(private / library),
+        "build_seconds": round(timer.seconds, 1),
+    }
+    _cache.write_new_file(private / _cache.KEY_FILE, (json.dumps(key, indent=2, sort_keys=True) + "\n").encode())
+    return key, timer.seconds
+
+
+def _publish(private: Path, entry: Path, environment: Dict[str, object], root: Path) -> EntryState:
+    """Renames the finished build into place. Whatever lies at the entry's name and cannot be used (incomplete,
+    untrusted, a dangling symlink, a file) is moved away first; a usable entry there (another build won a race the
+    lock did not prevent, on a file system whose locks do not exclude) is kept, and this build is discarded."""
+    for _attempt in range(3):
+        state = _cache.inspect_entry(entry, environment)
+        if state.usable:
+            return state
+        if os.path.lexists(entry):
+            _cache.discard(entry, root)
+        try:
+            os.rename(private, entry)
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+                raise
+            continue  # something appeared at the name meanwhile: judge it again
+        state = _cache.inspect_entry(entry, environment)
+        if state.usable:
+            return state
+        raise BuildError(f"the entry just built at {entry} cannot be used: {state.problem}")
+    raise BuildError(f"could not publish the build into {entry}: another process keeps putting unusable "
+                     "entries at that name.\nRemedy: run `deform-conv clean`, then import again.")

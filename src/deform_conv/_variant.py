@@ -1,0 +1,134 @@
+"""What a library is built from and for: the variants (CPU, CUDA for some archs), their key inputs and the
+names of their cache entries. An entry's name is derived from everything that makes two builds differ, so
+nothing stale is ever loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import platform
+import re
+import sys
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from . import _settings, _sources
+from ._version import __version__
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+CSRC = PACKAGE_DIR / _sources.CSRC_DIR
+
+# <tag>-torch<version>-<environment hash>-<toolchain hash>, e.g. cpu-torch2.14.1_cu130-c2d32b4c387d-173d03c9
+ENTRY_NAME = re.compile(r"^(cpu|cuda)[-\w.]*-torch[\w.+]+-[0-9a-f]{12}-[0-9a-f]{8}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One library: the CPU one (every schema + CPU kernels) or the CUDA one for a list of GPU archs."""
+
+    kind: str                          # "cpu" or "cuda"
+    cuda_archs: Tuple[str, ...] = ()   # TORCH_CUDA_ARCH_LIST entries, e.g. ("8.0", "9.0+PTX")
+    sanitize: Tuple[str, ...] = ()     # CPU only: -fsanitize= names from $DEFORM_CONV_SANITIZE, e.g. ("address",)
+
+    @property
+    def sources(self) -> Tuple[str, ...]:
+        return _sources.CPU_SOURCES if self.kind == "cpu" else _sources.CUDA_SOURCES
+
+    @property
+    def cxx_flags(self) -> Tuple[str, ...]:
+        """The one place flags are chosen (the key records what this returns). Sanitized: -O1 instead of -O3,
+        as ASan's docs advise: usable speed, with reports whose frames and lines match the source."""
+        if not self.sanitize:
+            return _sources.CXX_FLAGS
+        plain = tuple(f for f in _sources.CXX_FLAGS if not f.startswith("-O"))
+        return plain + ("-fsanitize=" + ",".join(self.sanitize),) + _sources.SANITIZE_CXX_FLAGS
+
+    @property
+    def ld_flags(self) -> Tuple[str, ...]:
+        return _sources.LD_FLAGS + (("-fsanitize=" + ",".join(self.sanitize),) if self.sanitize else ())
+
+    @property
+    def label(self) -> str:
+        if self.kind == "cpu":
+            return "CPU kernels" + (f" (-fsanitize={','.join(self.sanitize)})" if self.sanitize else "")
+        return "CUDA kernels for " + ", ".join("sm_" + a.replace(".", "") for a in self.cuda_archs)
+
+    @property
+    def tag(self) -> str:
+        if self.kind == "cpu":
+            return "cpu" + ("-sanitize_" + "_".join(self.sanitize) if self.sanitize else "")
+        return "cuda-" + "_".join("sm" + a.replace(".", "").replace("+PTX", "ptx") for a in self.cuda_archs)
+
+
+def sources_sha256() -> str:
+    """One hash over every source and header under csrc/ (names and contents)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in CSRC.rglob("*") if p.suffix in {".h", ".cuh", ".cpp", ".cu"}):
+        digest.update(path.relative_to(CSRC).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def environment_inputs(variant: Variant) -> Dict[str, object]:
+    """The key inputs known without running any tool: what the library is built from and for."""
+    inputs: Dict[str, object] = {
+        "variant": variant.kind,
+        "package_version": __version__,
+        "sources_sha256": sources_sha256(),
+        "cxx_flags": list(variant.cxx_flags),
+        "ld_flags": list(variant.ld_flags),
+        "torch_version": torch.__version__,
+        "torch_cxx11_abi": torch.compiled_with_cxx11_abi(),
+        "torch_cuda": torch.version.cuda,
+        "platform": f"{sys.platform}-{platform.machine()}",
+    }
+    if variant.kind == "cuda":
+        inputs["nvcc_flags"] = list(_sources.NVCC_FLAGS)
+        inputs["cuda_archs"] = list(variant.cuda_archs)
+    if variant.sanitize:  # only when set: the key of a plain build (and its existing entries) stays as it was
+        inputs["sanitize"] = list(variant.sanitize)
+    return inputs
+
+
+def _hash_of(inputs: Dict[str, object]) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def entry_prefix(variant: Variant, environment: Dict[str, object]) -> str:
+    torch_tag = str(environment["torch_version"]).replace("+", "_")
+    return f"{variant.tag}-torch{torch_tag}-{_hash_of(environment)[:12]}"
+
+
+def entry_name(variant: Variant, environment: Dict[str, object], tools: Dict[str, str]) -> str:
+    """Readable prefix, then a hash of the environment inputs and one of the toolchain."""
+    return f"{entry_prefix(variant, environment)}-{_hash_of(tools)[:8]}"
+
+
+def requested_cuda_archs(explicit: Optional[str] = None) -> Tuple[str, ...]:
+    """GPU archs to build the CUDA library for: ``explicit`` (the CLI's --cuda-arch) or $TORCH_CUDA_ARCH_LIST
+    when given, else the archs of the visible GPUs, else none. Without a CUDA build of torch, none; without
+    a list and without a GPU, CUDA is not initialised (device_count does not create a context); with a GPU,
+    reading its compute capability initialises CUDA in this process. DEFORM_CONV_CUDA=0 asks for none."""
+    if torch.version.cuda is None:
+        return ()
+    if explicit is None and not _settings.cuda_wanted():
+        return ()  # the user's opt-out: CPU kernels only, e.g. on a GPU machine without the CUDA toolkit
+    listed = _settings.cuda_archs(explicit, "--cuda-arch" if explicit is not None else "TORCH_CUDA_ARCH_LIST")
+    if listed:
+        return listed
+    count = torch.cuda.device_count()
+    return tuple(sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(count)}))
+
+
+def cpu_variant() -> Variant:
+    return Variant("cpu", sanitize=_settings.sanitizers())
+
+
+def wanted_variants() -> Tuple[Variant, ...]:
+    """The CPU library (instrumented if $DEFORM_CONV_SANITIZE says so), then the CUDA library when
+    :func:`requested_cuda_archs` asks for one."""
+    archs = requested_cuda_archs()
+    return (cpu_variant(),) + ((Variant("cuda", archs),) if archs else ())
