@@ -142,8 +142,9 @@ def _read_trusted_file(path: Path, what: str) -> Tuple[Optional[bytes], Optional
 
 
 def parse_key(data: bytes, bundled: bool = False) -> Optional[dict]:
-    """The key if ``data`` is exactly a key this package writes (fields, types, a plain library file name), else
-    None: a stray or hand-edited key.json counts as absent."""
+    """The key if ``data`` is exactly a key this package writes (fields and their types), else None: a stray or
+    hand-edited key.json counts as absent. Whether its library name is a plain file name is checked apart
+    (:func:`is_plain_file_name`): a key that points elsewhere is not merely broken but suspect."""
     try:
         key = json.loads(data)
     except (ValueError, UnicodeDecodeError):
@@ -156,10 +157,11 @@ def parse_key(data: bytes, bundled: bool = False) -> Optional[dict]:
     tool_maps = [key["toolchain"]] + ([] if bundled else [key["toolchain_fingerprints"]])
     if not all(isinstance(k, str) and isinstance(v, str) for m in tool_maps for k, v in m.items()):
         return None
-    library = key["library"]
-    if library in ("", ".", "..") or "/" in library or "\0" in library or not _SHA256.match(key["library_sha256"]):
-        return None
-    return key
+    return key if _SHA256.match(key["library_sha256"]) else None
+
+
+def is_plain_file_name(name: str) -> bool:
+    return name not in ("", ".", "..") and "/" not in name and "\0" not in name
 
 
 def _sha256_of(f) -> str:
@@ -203,6 +205,9 @@ def inspect_entry(directory: Path, environment: Optional[Dict[str, object]] = No
     key = parse_key(data, bundled)
     if key is None:
         return EntryState(directory, problem=f"{directory / key_file} is not a key this package wrote")
+    if not is_plain_file_name(key["library"]):
+        return EntryState(directory, problem=f"{directory / key_file} names the library {key['library']!r}, which is "
+                                             "not a file inside its entry", untrusted=True)
     if environment is not None and key["environment"] != environment:
         return EntryState(directory, problem=f"{directory} was built for another torch, source or flags")
     library = directory / key["library"]
