@@ -16,7 +16,7 @@ import torch
 import deform_conv
 from deform_conv import _cache, _compile, _loader, _progress, _settings, _toolchain, _variant
 
-from loader_helpers import ROOT, child_env, compile_lines
+from loader_helpers import ROOT, child_env, compile_lines, fast_compiler
 
 
 @pytest.mark.parametrize("kind", ["cpu", "cuda"])
@@ -238,7 +238,7 @@ def test_doctor_and_clean(tmp_path):
 def test_main_job_builds_into_an_empty_cache_then_reuses_it(tmp_path):
     """`python -m deform_conv`: one line saying what is built, where and that it happens once; the versions,
     the cache and the check; the second run loads from the cache, silently."""
-    env = child_env(tmp_path)
+    env = child_env(tmp_path, CXX=str(fast_compiler(tmp_path.parent / f"{tmp_path.name}-tools")))
     first = subprocess.run([sys.executable, "-m", "deform_conv"], capture_output=True, text=True, env=env)
     assert first.returncode == 0, first.stdout + first.stderr
     (line,) = compile_lines(first.stderr)

@@ -1,10 +1,11 @@
 """How a library is compiled: torch.utils.cpp_extension in a child process that cannot outlive its importer,
 its log, and an error whose remedy matches the cause.
 
-The child runs in a process group (a session) of its own, with ninja and the compilers under it. A watchdog
-thread in the child reads a pipe whose only writer is the importing process: when the importer dies, even by
-SIGKILL, the pipe reaches end-of-file and the watchdog kills the whole group. When the importer is interrupted
-(SIGINT, a notebook's "interrupt kernel"), it kills the group itself and re-raises the KeyboardInterrupt.
+The child runs in a session of its own, with ninja under it (ninja puts each compile in a process group of its
+own and passes SIGTERM on to them). A watchdog thread in the child reads a pipe whose only writer is the
+importing process: when the importer dies, even by SIGKILL, the pipe reaches end-of-file and the watchdog
+stops the build (SIGTERM to its group, then SIGKILL). When the importer is interrupted (SIGINT, a notebook's
+"interrupt kernel"), it stops the build the same way and re-raises the KeyboardInterrupt.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -28,12 +30,25 @@ from ._variant import CSRC, Variant
 # Runs in the child: cpp_extension.load always loads what it built, and the importer must load only the published
 # library (and a CLI prebuild for other GPU archs must not load at all).
 _CHILD = """
-import json, os, signal, sys, threading
+import json, os, signal, sys, threading, time
+
+def stop_the_build():
+    # SIGTERM first: ninja runs each compile in a process group of its own and, on SIGTERM, passes it to them.
+    group, me = os.getpgid(0), os.getpid()
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) == group:
+                    os.kill(pid, signal.SIGTERM)
+        except (OSError, ValueError, IndexError):
+            pass
+    time.sleep(3)
+    os.killpg(0, signal.SIGKILL)  # whatever is left of the group, this process included
 
 def watch(fd):
     while os.read(fd, 1):
         pass
-    os.killpg(0, signal.SIGKILL)  # the importer is gone: stop ninja, the compilers and this process
+    stop_the_build()  # end of file: the importer is gone
 
 threading.Thread(target=watch, args=(int(sys.argv[2]),), daemon=True).start()
 from torch.utils import cpp_extension
@@ -116,10 +131,19 @@ def run(variant: Variant, name: str, directory: Path, tools: Dict[str, str]) -> 
 
 
 def _kill_group(child: subprocess.Popen) -> None:
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """SIGTERM to the child's group (ninja passes it on to the compiles, each in a group of its own), then SIGKILL
+    to what is left of it."""
+    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, None)):
+        try:
+            os.killpg(child.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            child.wait(timeout=grace)
+            if sig == signal.SIGTERM:
+                time.sleep(0.5)  # ninja forwarded the signal before exiting; let its compiles take it
+        except subprocess.TimeoutExpired:
+            continue
     child.wait()
 
 

@@ -126,40 +126,15 @@ _OPENMP_RUNTIME = re.compile(r"^lib(gomp|omp|iomp5)([-.].*)?\.so(\.[\d.]+)?$")
 
 def torch_openmp_runtime() -> Optional[Path]:
     """The OpenMP runtime this process loaded for torch (from /proc/self/maps), or None (no OpenMP, or not
-    Linux). PyPI's x86-64 wheels load torch/lib/libgomp.so.1, the aarch64 ones a renamed libgomp-<hash>.so.1.0.0."""
+    Linux). PyPI's x86-64 wheels load torch/lib/libgomp.so.1, the aarch64 ones torch.libs/libgomp-<hash>.so.1.0.0
+    (auditwheel's renamed copy); should another runtime be loaded too, torch's own is the one returned."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split(None, 5)[5].strip() for line in maps if len(line.split(None, 5)) == 6}
     except OSError:
         return None
     found = sorted(Path(p) for p in paths if p.startswith("/") and _OPENMP_RUNTIME.match(Path(p).name))
-    torch_lib = Path(torch.__file__).resolve().parent / "lib"
-    found.sort(key=lambda p: p.parent != torch_lib)  # torch's own copy first, should two be loaded
+    package = Path(torch.__file__).resolve().parent
+    torchs_own = {package / "lib", package.parent / "torch.libs"}
+    found.sort(key=lambda p: p.parent not in torchs_own)  # stable: otherwise in path order
     return found[0] if found else None
-
-
-def nvcc_release(version_line: str) -> Optional[str]:
-    """'nvcc 13.0.88' -> '13.0'."""
-    match = re.search(r"(\d+)\.(\d+)", version_line)
-    return f"{match.group(1)}.{match.group(2)}" if match else None
-
-
-def default_max_jobs(gib_per_job: float) -> int:
-    """Parallel compile jobs that the cores and the available memory allow (a torch translation unit takes
-    about 1.5 GiB in g++, more in nvcc)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    available_gib = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available_gib = int(line.split()[1]) / 2**20
-                    break
-    except OSError:
-        pass
-    by_memory = int(available_gib // gib_per_job) if available_gib is not None else cores
-    return max(1, min(cores, by_memory))
-
-
-def torch_cuda_major() -> Optional[str]:
-    return torch.version.cuda.split(".")[0] if torch.version.cuda else None
