@@ -138,3 +138,30 @@ def torch_openmp_runtime() -> Optional[Path]:
     torchs_own = {package / "lib", package.parent / "torch.libs"}
     found.sort(key=lambda p: p.parent not in torchs_own)  # stable: otherwise in path order
     return found[0] if found else None
+
+
+def nvcc_release(version_line: str) -> Optional[str]:
+    """'nvcc 13.0.88' -> '13.0'."""
+    match = re.search(r"(\d+)\.(\d+)", version_line)
+    return f"{match.group(1)}.{match.group(2)}" if match else None
+
+
+def default_max_jobs(gib_per_job: float) -> int:
+    """Parallel compile jobs that the cores and the available memory allow (a torch translation unit takes
+    about 1.5 GiB in g++, more in nvcc)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    available_gib = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available_gib = int(line.split()[1]) / 2**20
+                    break
+    except OSError:
+        pass
+    by_memory = int(available_gib // gib_per_job) if available_gib is not None else cores
+    return max(1, min(cores, by_memory))
+
+
+def torch_cuda_major() -> Optional[str]:
+    return torch.version.cuda.split(".")[0] if torch.version.cuda else None
