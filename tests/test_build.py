@@ -96,14 +96,14 @@ def test_compiler_version_is_remembered_per_binary(tmp_path):
 def test_missing_tools_are_diagnosed_before_compiling(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(_loader.BuildError, match=r"(?s)no C\+\+ compiler found .*Remedy: install one"):
-        _loader.check_prerequisites(_variant.Variant("cpu"))
+        _toolchain.check_prerequisites(_variant.Variant("cpu"))
 
 
 @pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch")
 def test_cuda_home_missing_and_nvcc_mismatch_are_diagnosed(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
     with pytest.raises(_loader.BuildError, match=r"(?s)CUDA_HOME not found.*Remedy: install the CUDA toolkit"):
-        _loader.check_prerequisites(_variant.Variant("cuda", ("9.0",)))
+        _toolchain.check_prerequisites(_variant.Variant("cuda", ("9.0",)))
     (tmp_path / "cuda" / "bin").mkdir(parents=True)
     nvcc = tmp_path / "cuda" / "bin" / "nvcc"
     nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 11.8, V11.8.89'\n")
@@ -111,7 +111,7 @@ def test_cuda_home_missing_and_nvcc_mismatch_are_diagnosed(monkeypatch, tmp_path
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
     monkeypatch.setenv("DEFORM_CONV_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(_loader.BuildError, match=r"nvcc's CUDA \(nvcc 11.8.89 .*differs in major version"):
-        _loader.check_prerequisites(_variant.Variant("cuda", ("9.0",)))
+        _toolchain.check_prerequisites(_variant.Variant("cuda", ("9.0",)))
 
 
 def test_cuda_library_selection(monkeypatch):
@@ -218,6 +218,8 @@ def test_doctor_and_clean(tmp_path):
     (cache / ".toolchains.json.abc123").write_text("{}")
     users_own = cache / "notes.txt"
     users_own.write_text("the user's, not the package's")
+    users_log = cache / "logs" / "training.txt"  # a `logs` directory keeps what is not a build log of ours
+    users_log.write_text("the user's too")
     env = child_env(cache)
     doctor = subprocess.run([sys.executable, "-m", "deform_conv", "doctor"], capture_output=True, text=True, env=env)
     assert f"cpu          built: {deform_conv.libraries[0].entry.name}" in doctor.stdout, doctor.stdout + doctor.stderr
@@ -231,8 +233,9 @@ def test_doctor_and_clean(tmp_path):
     assert not any(os.path.lexists(p) for p in (stale, dangling, plain_file)), clean.stdout
     assert (cache / deform_conv.libraries[0].entry.name).is_dir() and (cache / "toolchains.json").exists()
     subprocess.run([sys.executable, "-m", "deform_conv", "clean"], capture_output=True, env=env, check=True)
-    assert sorted(p.name for p in cache.iterdir()) == ["notes.txt"]  # everything of ours, nothing of the user's
-    assert users_own.read_text() == "the user's, not the package's"
+    assert sorted(p.name for p in cache.iterdir()) == ["logs", "notes.txt"]  # all of ours, nothing of the user's
+    assert users_own.read_text() == "the user's, not the package's" and users_log.read_text() == "the user's too"
+    assert [p.name for p in (cache / "logs").iterdir()] == ["training.txt"]
 
 
 def test_main_job_builds_into_an_empty_cache_then_reuses_it(tmp_path):

@@ -17,7 +17,7 @@ from deform_conv import _cache, _toolchain
 from loader_helpers import IMPORT_AND_REPORT, child_env, compile_lines, copy_current_cpu_entry, fast_compiler, run_python
 
 # Well-formed JSON of the wrong shape, and worse: each must count as absent.
-BAD_JSON = ["[]", '"str"', "null", "1", '{"toolchain_fingerprints": []}', "{", "", '{"a": 1}']
+BAD_JSON = ["[]", '"str"', "null", "1", '{"toolchain_fingerprints": []}', "{", "", '{"a": 1}', "[" * 100000]
 
 
 @pytest.fixture
@@ -191,6 +191,25 @@ def _read_only(cache: Path, code: str) -> list:
         pytest.skip(f"running as root and unshare -m is not permitted: {probe.stderr.decode().strip()}")
     return ["unshare", "-m", "sh", "-c", f'mount --bind -o ro "{cache}" "{cache}" && exec "{sys.executable}" -c "$0"',
             code]
+
+
+def test_clean_in_a_read_only_cache_says_what_it_cannot_remove(tmp_path):
+    cache = tmp_path / "cache"
+    entry = copy_current_cpu_entry(cache)
+    code = "import sys; from deform_conv.__main__ import main; sys.exit(main(['clean']))"
+    result = subprocess.run(_read_only(cache, code), capture_output=True, text=True, env=child_env(cache))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"could not remove {entry}: " in result.stderr and entry.is_dir()
+
+
+def test_a_root_created_under_umask_002_is_private_with_its_parents(tmp_path, fast_cxx):
+    """mkdir -p under a umask of 002 makes group-writable parents, which would make the root untrusted."""
+    root = tmp_path / "new" / "nested" / "cache"
+    code = "import os; os.umask(0o002)\n" + IMPORT_AND_REPORT
+    result = run_python(code, child_env(root, CXX=fast_cxx))
+    assert result.returncode == 0, result.stderr
+    for directory in (root, root.parent, root.parent.parent):
+        assert oct(directory.stat().st_mode & 0o777) == "0o700", directory
 
 
 def test_a_read_only_cache_loads_its_entry_whatever_compiler_is_on_path(tmp_path):

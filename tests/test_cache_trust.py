@@ -274,3 +274,23 @@ def test_symlinks_planted_at_every_path_the_loader_writes_leave_their_targets_al
     assert result.returncode != 0 and "may not be trusted" in result.stderr
     assert precious.read_text() == "years of work\n"
     assert all(link.is_symlink() for link in links)
+
+
+@needs_root
+def test_a_root_reached_through_another_users_symlink_is_refused(machine):
+    """The attacker plants a predictable name in a sticky scratch directory as a symlink to the victim's own cache:
+    its target passes every check, but the attacker can point it elsewhere between the check and the load."""
+    base, victim, attacker = machine
+    scratch = base / "scratch"
+    scratch.mkdir()
+    scratch.chmod(0o1777)
+    own = base / "victims-cache"
+    own.mkdir(mode=0o700)
+    victims_copy_of_the_real_entry(own, victim)
+    victim.chown(own)
+    planted = scratch / "dcn-cache"
+    planted.symlink_to(own)
+    attacker.chown(planted)
+    result = victim.run(IMPORT_AND_REPORT, environment(home_of(base, victim), planted))
+    assert result.returncode != 0
+    assert f"the symlink {planted} is owned by {attacker.name} (uid {attacker.uid}), not by you or root" in result.stderr

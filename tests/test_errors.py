@@ -182,3 +182,15 @@ def test_direct_op_call_refuses_an_output_too_large_to_index(case):
     with pytest.raises(RuntimeError, match=r"^padding/stride: the output size out_h \* out_w overflows int64"):
         torch.ops.deform_conv.deform_conv2d(case.input[:0], offset, case.weight, mask, case.bias, [2, 1],
                                             [pad, pad], [2, 1])
+
+
+def test_direct_op_call_refuses_expanded_tensors_too_large_to_index(case):
+    """Expanded (stride-0) tensors have any sizes without memory behind them: 2^61 channels of a 1x1 image would
+    make the kernels' tile sizes (channels * bytes * pixels) wrap."""
+    channels = 2**61
+    image = torch.ones(1, 1, 1, 1).expand(1, channels, 1, 1)
+    weight = torch.ones(1, 1, 1, 1).expand(1, channels, 1, 1)
+    with pytest.raises(RuntimeError, match=r"^input: channels \* height \* width is 2305843009213693952 elements, "
+                                           r"more than the 281474976710656 this op supports"):
+        torch.ops.deform_conv.deform_conv2d(image, torch.zeros(1, 2, 1, 1), weight, None, None, [1, 1], [0, 0],
+                                            [1, 1])

@@ -368,3 +368,39 @@ def test_cross_compiled_aarch64_library_needs_the_wheels_openmp_runtime(tmp_path
     assert "libgomp.so.1" in control_needed and runtime_soname not in control_needed, control_needed
     print(f"\n{wheel.name}: extracted in {extract_seconds:.1f} s, {len(sources)} sources compiled in "
           f"{compile_seconds:.1f} s ({standard}); NEEDED {needed}; control NEEDED {control_needed}")
+
+
+# --- a Clang build ----------------------------------------------------------------------------------------------
+
+CLANG_PROBE = """
+import os, torch
+torch.set_num_threads(2)
+a = torch.randn(512, 512); (a @ a).sum()  # torch's own pool is up
+import deform_conv
+x, w = torch.randn(4, 32, 24, 24, requires_grad=True), torch.randn(32, 32, 3, 3, requires_grad=True)
+o, m = torch.randn(4, 18, 24, 24, requires_grad=True), torch.rand(4, 9, 24, 24, requires_grad=True)
+deform_conv.deform_conv2d(x, o, w, padding=1, mask=m).sum().backward()  # warm-up: the library's runtime starts
+before = len(os.listdir("/proc/self/task"))
+for _ in range(3):
+    deform_conv.deform_conv2d(x, o, w, padding=1, mask=m).sum().backward()
+print(deform_conv.libraries[0].path, len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+@needs_linux
+@pytest.mark.skipif(shutil.which("clang++") is None, reason="needs clang++ with LLVM's OpenMP (Debian: clang libomp-dev)")
+def test_a_clang_build_follows_torchs_thread_count(tmp_path):
+    """Clang cannot emit libgomp's calls, so its build runs on LLVM's runtime, whose own default team is as large as
+    OMP_NUM_THREADS says (6 here). After torch.set_num_threads(2) the library's loops must use 2 threads: one
+    worker of LLVM's runtime at most. (Without following torch's count this process gained 5 threads.) The build
+    takes about two minutes."""
+    from loader_helpers import child_env
+
+    env = child_env(tmp_path, CXX="clang++", OMP_NUM_THREADS="6")
+    result = subprocess.run([sys.executable, "-c", CLANG_PROBE], capture_output=True, text=True, env=env, timeout=900)
+    if result.returncode != 0 and "omp.h" in result.stderr:
+        pytest.skip("clang++ has no OpenMP headers here (Debian: libomp-dev)")
+    assert result.returncode == 0, result.stderr[-3000:]
+    library, new_threads = result.stdout.split()
+    assert "libomp" in " ".join(dynamic_section(Path(library))[0])  # it is the Clang build
+    assert int(new_threads) <= 1, f"the Clang build's loops started {new_threads} threads after 2 were asked for"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import deform_conv
 from deform_conv import _compile, _settings, _variant
 from deform_conv._errors import BuildError
 
@@ -19,6 +20,7 @@ BAD_VALUES = [
     ("MAX_JOBS", "0", _settings.max_jobs),  # not "unlimited": it would let ninja start every job at once
     ("MAX_JOBS", "-2", _settings.max_jobs),
     ("MAX_JOBS", "four", _settings.max_jobs),
+    ("MAX_JOBS", "\u00b2", _settings.max_jobs),  # a superscript two: str.isdigit() says yes, int() says no
     ("DEFORM_CONV_FALLBACK", "1", _settings.fallback_to_reference),
     ("DEFORM_CONV_FALLBACK", "yes", _settings.fallback_to_reference),
     ("DEFORM_CONV_VERBOSE", "true", _settings.verbose),
@@ -64,7 +66,7 @@ def test_the_build_honours_max_jobs_and_refuses_zero(monkeypatch):
 
 def test_the_cli_arch_option_is_validated_under_its_own_name(monkeypatch):
     monkeypatch.setattr(_variant.torch.version, "cuda", "13.0")
-    with pytest.raises(BuildError, match=r"^--cuda-arch must be archs such as"):
+    with pytest.raises(BuildError, match=r"^--cuda-arch must be archs by number such as"):
         _variant.requested_cuda_archs("ninety")
 
 
@@ -77,6 +79,16 @@ def test_import_refuses_a_bad_value_and_warns_about_an_unknown_variable(tmp_path
                           env=child_env(tmp_path, DEFORM_CONV_CACHEDIR="/tmp/x", DEFORM_CONV_CUDA="0"))
     assert typo.returncode != 0
     assert "unknown environment variable(s) DEFORM_CONV_CACHEDIR ignored; known: DEFORM_CONV_CACHE_DIR" in typo.stderr
+
+
+def test_a_warm_import_still_refuses_a_bad_value(tmp_path):
+    """Nothing is built, so DEFORM_CONV_VERBOSE and MAX_JOBS are not used: their mistakes are reported all the
+    same."""
+    entry = deform_conv.libraries[0].entry
+    for name, value in (("DEFORM_CONV_VERBOSE", "true"), ("MAX_JOBS", "0")):
+        result = subprocess.run([sys.executable, "-c", "import deform_conv"], capture_output=True, text=True,
+                                env=child_env(entry.parent, **{name: value}))
+        assert result.returncode != 0 and f"{name} must be" in result.stderr, (name, result.stderr[-500:])
 
 
 def test_the_readme_lists_every_variable_with_its_default():

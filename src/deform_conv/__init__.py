@@ -21,7 +21,7 @@ def _load_libraries() -> _Tuple[LoadedLibrary, ...]:
     """Loads (building once) the libraries this machine needs. With DEFORM_CONV_FALLBACK=reference a library
     that cannot be built is a warning, and its device runs the pure-PyTorch implementation instead."""
     global libraries
-    _settings.warn_about_unknown_variables()
+    _settings.validate_all()
     fallback = _settings.fallback_to_reference()
     loaded = []
     for variant in _variant.wanted_variants():

@@ -12,8 +12,9 @@ Layout under the cache root (see :func:`deform_conv._settings.cache_dir`)::
 Trust, as ssh's for its keys: a library runs with the user's rights, so it is loaded only if the root, its
 entry directory, ``key.json`` and the library itself are owned by this user (or root) and writable by nobody
 else, none of them a symlink (the root may be one: its target is checked), the library named by a plain file
-name inside its entry, and no directory above the root lets another user rename it away (each is owned by
-this user or root and writable by others only with the sticky bit, as /tmp). A checksum beside the file it
+name inside its entry, and nothing on the way to the root lets another user swap it (each directory above it,
+as given and as resolved, is owned by this user or root and writable by others only with the sticky bit, as
+/tmp; each symlink on the way is this user's or root's). A checksum beside the file it
 checks proves integrity, not origin: the owner and the modes do. Everything the package creates is writable by
 its owner only (directories 0700, files 0600); see the README for a cache a team shares read-only.
 """
@@ -56,47 +57,69 @@ def _owner_name(uid: int) -> str:
         return f"uid {uid}"
 
 
+def _owned_by_us_or_root(st: os.stat_result) -> bool:
+    return st.st_uid in (os.geteuid(), 0)
+
+
+def _writers(mode: int) -> str:
+    return " and ".join(w for bit, w in ((0o020, "its group"), (0o002, "others")) if mode & bit)
+
+
 def ownership_problem(st: os.stat_result, what: str) -> Optional[str]:
     """Why a file or directory with this stat may not be trusted, or None."""
-    if st.st_uid not in (os.geteuid(), 0):
+    if not _owned_by_us_or_root(st):
         return f"{what} is owned by {_owner_name(st.st_uid)}, not by you or root"
     if st.st_mode & 0o022:
-        writers = " and ".join(w for bit, w in ((0o020, "its group"), (0o002, "others")) if st.st_mode & bit)
-        return f"{what} is writable by {writers} (mode {stat.S_IMODE(st.st_mode):04o})"
+        return f"{what} is writable by {_writers(st.st_mode)} (mode {stat.S_IMODE(st.st_mode):04o})"
     return None
 
 
-def _ancestor_problem(directory: Path) -> Optional[str]:
-    """Why a directory above the root would let another user replace it, or None."""
-    for parent in directory.parents:
-        st = os.stat(parent)
-        if st.st_uid not in (os.geteuid(), 0):
-            return f"its parent {parent} is owned by {_owner_name(st.st_uid)}, not by you or root"
+def _path_problem(path: Path) -> Optional[str]:
+    """Why another user could make ``path`` (absolute) lead elsewhere, or None: every component above it must be
+    ours or root's and writable by others only with the sticky bit, and every symlink on the way ours or root's
+    (in a sticky /tmp, the owner of a symlink can still point it elsewhere)."""
+    for component in [path, *path.parents]:
+        st = os.lstat(component)
+        if stat.S_ISLNK(st.st_mode):
+            if not _owned_by_us_or_root(st):
+                return f"the symlink {component} is owned by {_owner_name(st.st_uid)}, not by you or root"
+            continue
+        if component == path:
+            continue  # the root itself is judged by ownership_problem
+        if not _owned_by_us_or_root(st):
+            return f"its parent {component} is owned by {_owner_name(st.st_uid)}, not by you or root"
         if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            return (f"its parent {parent} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}) without the "
-                    "sticky bit, so they could rename the cache away and put their own in its place")
+            return (f"its parent {component} is writable by {_writers(st.st_mode)} (mode "
+                    f"{stat.S_IMODE(st.st_mode):04o}) without the sticky bit, so they could rename the cache away "
+                    "and put their own in its place")
     return None
 
 
 def root_problem(root: Path) -> Optional[str]:
-    """Why the cache root (which exists) may not be trusted, or None. A symlinked root is judged by its target."""
+    """Why the cache root (which exists) may not be trusted, or None. A symlinked root is judged by its target, and
+    both the path as given and the path it resolves to must be safe from other users (:func:`_path_problem`)."""
     try:
         real = Path(os.path.realpath(root))
         st = os.stat(real)
         if not stat.S_ISDIR(st.st_mode):
             return f"the cache root {root} is not a directory"
-        problem = ownership_problem(st, f"the cache root {real}") or _ancestor_problem(real)
-        return problem or (_ancestor_problem(root) if real != root else None)
+        return (ownership_problem(st, f"the cache root {real}") or _path_problem(root)
+                or (_path_problem(real) if real != root else None))
     except OSError as exc:
         return f"the cache root {root} cannot be inspected ({exc.strerror})"
 
 
 def make_root(root: Path) -> None:
-    """Creates the root 0700 if it is missing (its parents as mkdir -p would); raises OSError if it cannot."""
-    if not os.path.lexists(root):
-        root.parent.mkdir(parents=True, exist_ok=True)
+    """Creates the root, and any missing directory above it, 0700 (with mkdir -p's modes, a umask of 002 would make
+    a parent group-writable, and the root untrusted); raises OSError if it cannot."""
+    missing = []
+    path = root
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
         try:
-            os.mkdir(root, 0o700)
+            os.mkdir(directory, 0o700)
         except FileExistsError:
             pass  # another process made it at the same moment: root_problem judges it
 
@@ -125,7 +148,7 @@ class EntryState:
         return self.key is not None
 
 
-def _read_trusted_file(path: Path, what: str) -> Tuple[Optional[bytes], Optional[str]]:
+def _read_trusted_file(path: Path, what: str, judge=None) -> Tuple[Optional[bytes], Optional[str]]:
     """(contents, None), or (None, why it may not be read as trusted). Opened without following a symlink."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -137,8 +160,21 @@ def _read_trusted_file(path: Path, what: str) -> Tuple[Optional[bytes], Optional
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             return None, f"{what} {path} is not a regular file"
-        problem = ownership_problem(st, f"{what} {path}")
+        problem = (judge or ownership_problem)(st, f"{what} {path}")
         return (None, problem) if problem else (f.read(), None)
+
+
+def _bundled_problem(st: os.stat_result, what: str) -> Optional[str]:
+    """The library installed with the package (DEFORM_CONV_AOT=1) is as trustworthy as the package's own Python
+    files beside it, which run anyway: it must be owned by their owner (or you, or root) and writable by no one
+    who cannot also write them (pip applies the umask, so under 002 both are group-writable)."""
+    package = os.stat(Path(__file__).resolve().parent / "__init__.py")
+    if st.st_uid not in (os.geteuid(), 0, package.st_uid):
+        return f"{what} is owned by {_owner_name(st.st_uid)}, not by the package's owner, you or root"
+    extra = st.st_mode & 0o022 & ~package.st_mode
+    if extra:
+        return f"{what} is writable by {_writers(extra)}, unlike the package's own files"
+    return None
 
 
 def parse_key(data: bytes, bundled: bool = False) -> Optional[dict]:
@@ -147,7 +183,7 @@ def parse_key(data: bytes, bundled: bool = False) -> Optional[dict]:
     (:func:`is_plain_file_name`): a key that points elsewhere is not merely broken but suspect."""
     try:
         key = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: '[' * 100000 is valid JSON
         return None
     fields = _BUNDLED_KEY_FIELDS if bundled else _CACHE_KEY_FIELDS
     if not isinstance(key, dict) or set(key) != set(fields):
@@ -177,10 +213,13 @@ def file_sha256(path: Path) -> str:
 
 
 def inspect_entry(directory: Path, environment: Optional[Dict[str, object]] = None, key_file: str = KEY_FILE,
-                  bundled: bool = False) -> EntryState:
+                  bundled: bool = False, hash_library: bool = True) -> EntryState:
     """Whether the entry at ``directory`` may be loaded: the one judgement that the warm path, the build's
     re-check after taking the lock, ``doctor`` and ``clean --stale`` all use. ``environment``, when given, must
-    equal the key's."""
+    equal the key's. ``bundled``: the library installed with the package (see :func:`_bundled_problem`).
+    ``hash_library=False`` trusts the key without reading the library (to learn what built an entry, not to
+    load it)."""
+    judge = _bundled_problem if bundled else ownership_problem
     try:
         st = os.lstat(directory)
     except FileNotFoundError:
@@ -193,13 +232,13 @@ def inspect_entry(directory: Path, environment: Optional[Dict[str, object]] = No
         return EntryState(directory, problem=f"{directory} is a symlink{dangling} to {target}", untrusted=True)
     if not stat.S_ISDIR(st.st_mode):
         return EntryState(directory, problem=f"{directory} is not a directory", untrusted=True)
-    problem = ownership_problem(st, f"the entry {directory}")
+    problem = judge(st, f"the entry {directory}")
     if problem:
         return EntryState(directory, problem=problem, untrusted=True)
     if not os.path.lexists(directory / key_file):
         return EntryState(directory, problem=f"{directory} is incomplete (no {key_file}: a build in progress or "
                                              "killed)")
-    data, problem = _read_trusted_file(directory / key_file, "the key")
+    data, problem = _read_trusted_file(directory / key_file, "the key", judge)
     if data is None:
         return EntryState(directory, problem=problem, untrusted=True)
     key = parse_key(data, bundled)
@@ -211,6 +250,8 @@ def inspect_entry(directory: Path, environment: Optional[Dict[str, object]] = No
     if environment is not None and key["environment"] != environment:
         return EntryState(directory, problem=f"{directory} was built for another torch, source or flags")
     library = directory / key["library"]
+    if not hash_library:
+        return EntryState(directory, key=key)
     try:
         fd = os.open(library, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
@@ -219,7 +260,7 @@ def inspect_entry(directory: Path, environment: Optional[Dict[str, object]] = No
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         problem = (f"the library {library} is not a regular file" if not stat.S_ISREG(st.st_mode)
-                   else ownership_problem(st, f"the library {library}"))
+                   else judge(st, f"the library {library}"))
         if problem:
             return EntryState(directory, problem=problem, untrusted=True)
         if _sha256_of(f) != key["library_sha256"]:
@@ -247,7 +288,7 @@ def read_trusted_json(path: Path) -> object:
         return None
     try:
         return json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
 
 
@@ -280,7 +321,7 @@ def own_directory(root: Path, name: str) -> Path:
     path = root / name
     try:
         st = os.lstat(path)
-        if stat.S_ISDIR(st.st_mode) and ownership_problem(st, "") is None:
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022:
             return path
         discard(path, root)
     except FileNotFoundError:

@@ -104,26 +104,29 @@ def run(variant: Variant, name: str, directory: Path, tools: Dict[str, str]) -> 
     if variant.kind == "cuda":
         args["extra_cuda_cflags"] = list(_sources.NVCC_FLAGS)
     env = _build_environment(variant)
+    log_fd = os.open(directory / LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    # The watchdog's pipe. A process this one forks while the build runs holds a copy of the write end, so the
+    # watchdog then sees only the death of both; the interrupt path below does not depend on it.
     watchdog_read, watchdog_write = os.pipe()
     command = [sys.executable, "-c", _CHILD, json.dumps(args), str(watchdog_read)]
-    log_fd = os.open(directory / LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(log_fd, "w") as log, Elapsed(f"compiling the {variant.label}", quiet=verbose):
         try:
-            child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     errors="replace", env=env, cwd=directory, start_new_session=True,
-                                     pass_fds=(watchdog_read,))
-        finally:
-            os.close(watchdog_read)
-        try:
-            assert child.stdout is not None
-            for line in child.stdout:
-                log.write(line)
-                if verbose:
-                    sys.stdout.write(line)
-            returncode = child.wait()
-        except BaseException:  # KeyboardInterrupt above all: the compile must not run on without us
-            _kill_group(child)
-            raise
+            try:
+                child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         errors="replace", env=env, cwd=directory, start_new_session=True,
+                                         pass_fds=(watchdog_read,))
+            finally:
+                os.close(watchdog_read)
+            try:
+                assert child.stdout is not None
+                for line in child.stdout:
+                    log.write(line)
+                    if verbose:
+                        sys.stdout.write(line)
+                returncode = child.wait()
+            except BaseException:  # KeyboardInterrupt above all: the compile must not run on without us
+                _kill_group(child)
+                raise
         finally:
             os.close(watchdog_write)
     if returncode != 0:
@@ -165,10 +168,15 @@ def _log_excerpt(lines: List[str], first_lines: int = 15, last_lines: int = 10) 
             + "\n...\nThe log's last lines:\n" + "\n".join(lines[-last_lines:]))
 
 
-def _remedy(variant: Variant, failed: CompileFailed, log: str) -> str:
+# How a compiler killed by SIGKILL (the OOM killer) shows in a log: GCC's driver, collect2 for the linker, nvcc,
+# a shell's job report, an exit status of 128 + 9.
+_KILLED = re.compile(r"Killed signal terminated program|terminated with signal 9|died due to signal 9|"
+                     r"(^|\d+ )Killed\b|exit status 137", re.MULTILINE)
+
+
+def _remedy(failed: CompileFailed, log: str) -> str:
     """The remedy that matches what the log shows."""
-    if (failed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) or "Killed signal terminated program" in log
-            or re.search(r"^Killed$", log, re.MULTILINE) or "exit status 137" in log):
+    if failed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) or _KILLED.search(log):
         return (f"a compiler was killed (SIGKILL), most likely by the out-of-memory killer: this build ran "
                 f"{failed.jobs} jobs at once. Set MAX_JOBS to fewer (e.g. MAX_JOBS={max(1, failed.jobs // 2)}), or "
                 "free memory, and import again.")
@@ -190,5 +198,5 @@ def failure(variant: Variant, failed: CompileFailed, log_path: Path) -> BuildErr
         log = ""
     return BuildError(
         f"compiling deform_conv's {variant.label} failed (exit code {failed.returncode}).\n"
-        f"{_log_excerpt(log.splitlines())}\n\nFull log: {log_path}\nRemedy: {_remedy(variant, failed, log)}"
+        f"{_log_excerpt(log.splitlines())}\n\nFull log: {log_path}\nRemedy: {_remedy(failed, log)}"
     )

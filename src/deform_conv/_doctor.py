@@ -6,7 +6,7 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import List, Tuple
+from typing import List
 
 import torch
 
@@ -17,11 +17,6 @@ from ._version import __version__
 def _size(path: Path) -> str:
     total = sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
     return f"{total / 2**20:.1f} MiB"
-
-
-def _describe(path: Path) -> str:
-    state = _cache.inspect_entry(path)
-    return f"complete, {_size(path)}" if state.usable else f"NOT LOADABLE: {state.problem}"
 
 
 def doctor() -> int:
@@ -35,7 +30,7 @@ def doctor() -> int:
     print(f"  sanitize     {'-fsanitize=' + ','.join(cpu.sanitize) + ' (CPU library only)' if cpu.sanitize else 'off'}"
           " (DEFORM_CONV_SANITIZE)")
     try:
-        _loader.check_sanitizer_runtime(cpu)
+        _toolchain.check_sanitizer_runtime(cpu)
     except _loader.BuildError as error:
         problems.append(str(error).replace("\n", " "))
 
@@ -83,17 +78,17 @@ def doctor() -> int:
                         .split("Remedy: ", 1)[1])
     listed = _cache.entries(root)
     for path in listed:
-        description = _describe(path)
-        print(f"    {path.name}  {description}")
-        if description.startswith("NOT LOADABLE") and _cache.inspect_entry(path).untrusted:
-            problems.append(f"{description[len('NOT LOADABLE: '):]}: it is skipped; `deform-conv clean` removes it")
+        state = _cache.inspect_entry(path)
+        print(f"    {path.name}  {f'complete, {_size(path)}' if state.usable else f'NOT LOADABLE: {state.problem}'}")
+        if state.untrusted:
+            problems.append(f"{state.problem}: it is skipped; `deform-conv clean` removes it")
     if not listed:
         print("    (no entries)")
 
     for variant in _variant.wanted_variants():
         environment = _variant.environment_inputs(variant)
-        found, _skipped = _loader.find_entry(variant, root, environment, any_toolchain=not (cxx and writable),
-                                             warn=False)
+        found, _skipped = _loader.find_entry(variant, root, environment,
+                                             any_toolchain=not _loader.can_build(variant, root), warn=False)
         if _loader.matching_prebuilt(variant, environment).usable:
             print(f"  {variant.kind:12s} bundled at install time ({_loader.PREBUILT})")
         elif found:
@@ -113,31 +108,46 @@ def doctor() -> int:
     return 0
 
 
+def _ours(root: Path, stale_only: bool) -> List[Path]:
+    """What the package keeps in ``root`` besides its entries: leftovers of killed builds and of removals, and
+    (not with --stale) the failed-build logs, the lock files and the compiler-version memo. Only names the package
+    gives: a `logs` or `.locks` directory keeps whatever else someone put there."""
+    found = list(root.glob(".build-*")) + list(root.glob(".trash-*"))
+    if not stale_only:
+        found += [p for p in root.glob("logs/*.log") if _variant.ENTRY_NAME.match(p.stem)]
+        found += [p for p in root.glob(".locks/*.lock") if _variant.ENTRY_NAME.match(p.stem)]
+        found += [root / _cache.TOOLCHAINS_FILE, *root.glob(f".{_cache.TOOLCHAINS_FILE}.*")]
+    return [p for p in found if os.path.lexists(p)]
+
+
 def clean(stale_only: bool) -> int:
     """Removes what the package keeps in the cache root, and nothing else: entries (with --stale, only those the
-    current setup would not load), leftovers of killed builds, failed-build logs, the compiler-version memo and
-    the lock files (the last three not with --stale)."""
+    current setup would not load) and :func:`_ours`. Says what it could not remove (a read-only cache, another
+    user's entry) and exits 1 then."""
     root = _loader.cache_root()
     keep = set()
     if stale_only:
-        any_toolchain = not (_toolchain.find_cxx() and _cache.can_write(root))  # as the loader would choose
         for variant in _variant.wanted_variants():
             found, _skipped = _loader.find_entry(variant, root, _variant.environment_inputs(variant),
-                                                 any_toolchain=any_toolchain, warn=False)
+                                                 any_toolchain=not _loader.can_build(variant, root), warn=False)
             if found:
                 keep.add(found.path)
-    removed = 0
-    for path in _cache.entries(root):
-        if path not in keep:
+    removed, failed = 0, 0
+    for path in [p for p in _cache.entries(root) if p not in keep] + _ours(root, stale_only):
+        try:
             _cache.discard(path, root)
+        except OSError as exc:
+            failed += 1
+            print(f"could not remove {path}: {exc.strerror}", file=sys.stderr)
+            continue
+        if _variant.ENTRY_NAME.match(path.name):
             removed += 1
             print(f"removed {path}")
-    leftovers = list(root.glob(".build-*")) + list(root.glob(".trash-*"))
-    if not stale_only:
-        leftovers += [root / name for name in ("logs", ".locks", _cache.TOOLCHAINS_FILE)]
-        leftovers += list(root.glob(f".{_cache.TOOLCHAINS_FILE}.*"))  # replace_file's temporaries
-    for leftover in leftovers:
-        if os.path.lexists(leftover):
-            _cache.discard(leftover, root)
+    for directory in (root / "logs", root / ".locks"):
+        if not stale_only and directory.is_dir() and not directory.is_symlink():
+            try:
+                directory.rmdir()  # only if empty: anything else in it is not ours
+            except OSError:
+                pass
     print(f"{removed} entr{'y' if removed == 1 else 'ies'} removed from {root}")
-    return 0
+    return 1 if failed else 0

@@ -11,7 +11,7 @@ in a private directory (``_compile``), write key.json last, rename into place.
 Sanitizer mode, for tests: ``DEFORM_CONV_SANITIZE=1`` (= ``address,undefined``, or a list of those) builds the
 CPU library with ``-fsanitize=...`` at ``-O1 -g`` into an entry of its own (tag ``cpu-sanitize_...``, sanitize
 in the key), so a plain import never loads it and vice versa. The CUDA library is never instrumented. An ASan
-library loads only into a process started with the ASan runtime preloaded (:func:`check_sanitizer_runtime`
+library loads only into a process started with the ASan runtime preloaded (:func:`_toolchain.check_sanitizer_runtime`
 says how; scripts/sanitize-tests does it).
 """
 
@@ -66,7 +66,7 @@ def _recorded_versions(root: Path, prefix: str) -> Dict[str, str]:
     """fingerprint -> version of the tools that built this environment's trusted entries (their keys say)."""
     known: Dict[str, str] = {}
     for directory in root.glob(f"{prefix}-*"):
-        key = _cache.inspect_entry(directory).key
+        key = _cache.inspect_entry(directory, hash_library=False).key
         if key is not None:
             known.update({fp: key["toolchain"][name] for name, fp in key["toolchain_fingerprints"].items()
                           if name in key["toolchain"]})
@@ -86,7 +86,7 @@ def toolchain_inputs(variant: Variant, root: Path, environment: Dict[str, object
 
 
 def _load(variant: Variant, state: EntryState, build_seconds: Optional[float] = None) -> LoadedLibrary:
-    check_sanitizer_runtime(variant)
+    _toolchain.check_sanitizer_runtime(variant)
     assert state.key is not None
     library = state.path / state.key["library"]
     timer = Elapsed("loading", quiet=True)
@@ -159,6 +159,12 @@ def _key_mtime(directory: Path) -> float:
         return 0.0
 
 
+def can_build(variant: Variant, root: Path) -> bool:
+    """Whether an import would build ``variant`` here (its tools are on PATH and ``root`` can be written); where
+    it would not, any trusted entry for this environment loads, whichever compiler built it."""
+    return _tool_paths(variant) is not None and _cache.can_write(root)
+
+
 def untrusted_root_error(root: Path, problem: str) -> BuildError:
     return BuildError(
         f"the kernel cache {root} may not be trusted: {problem}. Libraries found there could have been written by "
@@ -182,7 +188,7 @@ def load(variant: Variant) -> LoadedLibrary:
         problem = _cache.root_problem(root)
         if problem is not None:
             raise untrusted_root_error(root, problem)
-    buildable = _tool_paths(variant) is not None and _cache.can_write(root)
+    buildable = can_build(variant, root)
     found, skipped = find_entry(variant, root, environment, any_toolchain=not buildable)
     if found is not None:
         return _load(variant, found)
@@ -203,67 +209,12 @@ def load(variant: Variant) -> LoadedLibrary:
     return loaded
 
 
-def check_sanitizer_runtime(variant: Variant) -> None:
-    """Raises BuildError with the remedy when ``variant`` is built with ASan and this process was not started
-    with ASan's runtime and libstdc++ preloaded. Without libasan, the library would load it as a dependency, too
-    late: the runtime aborts with "ASan runtime does not come first in initial library list". Without libstdc++
-    at start-up (python does not link it), ASan's __cxa_throw interceptor finds no real one, and the first C++
-    exception aborts with "CHECK failed: asan_interceptors.cpp ... real___cxa_throw". (UBSan's runtime loads
-    fine as a dependency.)"""
-    if "address" not in variant.sanitize:
-        return
-    import ctypes
-
-    asan = hasattr(ctypes.CDLL(None), "__asan_init")  # preloaded: its symbols are in the global scope
-    if asan and "libstdc++" in os.environ.get("LD_PRELOAD", ""):
-        return
-    cxx = _toolchain.cxx_name()
-    missing = "libstdc++ preloaded with it" if asan else "the AddressSanitizer runtime preloaded"
-    raise BuildError(
-        f"DEFORM_CONV_SANITIZE={os.environ.get('DEFORM_CONV_SANITIZE', '')} asks for the {variant.label}, which need "
-        f"python started with {missing}.\n"
-        f'Remedy: run with LD_PRELOAD="$({cxx} -print-file-name=libasan.so) $({cxx} -print-file-name=libstdc++.so)" '
-        "ASAN_OPTIONS=detect_leaks=0 (python itself leaks by design), as scripts/sanitize-tests does; or unset "
-        "DEFORM_CONV_SANITIZE."
-    )
-
-
-def check_prerequisites(variant: Variant) -> None:
-    """Raises BuildError with a remedy for each tool a build needs and does not find, before compiling."""
-    check_sanitizer_runtime(variant)  # the build's child process loads what it built
-    if _toolchain.find_cxx() is None:
-        raise BuildError(
-            f"no C++ compiler found (looked for {_toolchain.cxx_name()!r} on PATH) to build deform_conv's "
-            f"{variant.label}.\nRemedy: install one (Debian/Ubuntu: `apt-get install g++`; conda: "
-            "`conda install gxx`) or point $CXX at it; or copy a prebuilt cache entry here (see the README), or "
-            "set DEFORM_CONV_FALLBACK=reference to run the slow pure-PyTorch implementation."
-        )
-    if _toolchain.ensure_ninja_on_path() is None:
-        raise BuildError("ninja not found, which the build needs.\nRemedy: `pip install ninja`.")
-    if variant.kind != "cuda":
-        return
-    if _toolchain.find_nvcc() is None:
-        raise BuildError(
-            f"CUDA_HOME not found (or without bin/nvcc): no nvcc for deform_conv's {variant.label}.\nRemedy: install "
-            f"the CUDA toolkit matching torch's CUDA {torch.version.cuda} and set CUDA_HOME to it (nvcc is "
-            "$CUDA_HOME/bin/nvcc); or set DEFORM_CONV_CUDA=0 to use the CPU kernels only."
-        )
-    nvcc = _toolchain.identify(_toolchain.find_nvcc(), cache_root() / _cache.TOOLCHAINS_FILE)
-    release = _toolchain.nvcc_release(nvcc)
-    if release is None or release.split(".")[0] != _toolchain.torch_cuda_major():
-        raise BuildError(
-            f"nvcc's CUDA ({nvcc} at {_toolchain.find_nvcc()}) differs in major version from the CUDA torch was "
-            f"built with ({torch.version.cuda}); the library would not load.\nRemedy: point CUDA_HOME at a CUDA "
-            f"{_toolchain.torch_cuda_major()}.x toolkit, or install the torch build for CUDA {release}."
-        )
-
-
 # ----------------------------------------------------------------------------------------------- build path
 
 def build(variant: Variant, root: Path, load: bool = True) -> Union[LoadedLibrary, Path]:
     """Builds ``variant`` into its cache entry under ``root`` (or waits for another process that is
     building it), then loads it; with ``load=False`` only builds it and returns the entry."""
-    check_prerequisites(variant)
+    _toolchain.check_prerequisites(variant)
     try:
         _cache.make_root(root)
     except OSError as exc:
@@ -289,9 +240,27 @@ def build(variant: Variant, root: Path, load: bool = True) -> Union[LoadedLibrar
         ) from exc
 
 
+def _check_locks_work(lock_file: Path) -> None:
+    """Raises OSError(ENOLCK) where the file system has no locks. filelock itself would take such an error for
+    "held by another process" (some releases) and wait for ever, or raise NotImplementedError (ENOSYS)."""
+    import fcntl
+
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError as exc:
+        if exc.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK)) from exc
+        # EWOULDBLOCK: another process holds it exclusively, which shows that locks work
+    finally:
+        os.close(fd)
+
+
 def _acquire(lock, variant: Variant, entry: Path) -> None:
     from filelock import Timeout
 
+    _check_locks_work(Path(lock.lock_file))
     try:
         lock.acquire(timeout=0)
         return
@@ -325,7 +294,7 @@ def _build_locked(variant: Variant, root: Path, load: bool) -> Union[LoadedLibra
             _cache.discard(stale, root)
         private = Path(tempfile.mkdtemp(prefix=f".build-{entry.name}-", dir=root))
         try:
-            key, seconds = _compile_into(variant, environment, tools, entry, private)
+            seconds = _compile_into(variant, environment, tools, entry, private)
             published = _publish(private, entry, environment, root)
         finally:
             if private.exists():
@@ -337,7 +306,8 @@ def _build_locked(variant: Variant, root: Path, load: bool) -> Union[LoadedLibra
 
 
 def _compile_into(variant: Variant, environment: Dict[str, object], tools: Dict[str, str], entry: Path,
-                  private: Path):
+                  private: Path) -> float:
+    """Compiles into ``private`` and writes its key.json last; returns the compile's duration."""
     cuda = f" / CUDA {torch.version.cuda}" if variant.kind == "cuda" else ""
     say(f"compiling the {variant.label} for torch {torch.__version__}{cuda} into {entry} "
         "(once; later imports load it)")
@@ -361,7 +331,7 @@ def _compile_into(variant: Variant, environment: Dict[str, object], tools: Dict[
         "build_seconds": round(timer.seconds, 1),
     }
     _cache.write_new_file(private / _cache.KEY_FILE, (json.dumps(key, indent=2, sort_keys=True) + "\n").encode())
-    return key, timer.seconds
+    return timer.seconds
 
 
 def _publish(private: Path, entry: Path, environment: Dict[str, object], root: Path) -> EntryState:

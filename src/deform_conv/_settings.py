@@ -28,8 +28,9 @@ VARIABLES: Dict[str, Tuple[str, str]] = {
                                   "`undefined`: the CPU library with sanitizers, an entry of its own"),
     "DEFORM_CONV_AOT": ("0", "`1`: `pip install --no-build-isolation .` compiles the kernels at install time"),
     "MAX_JOBS": ("as many as cores and memory allow", "a positive integer: parallel compile jobs"),
-    "TORCH_CUDA_ARCH_LIST": ("the visible GPUs' archs", "archs such as `8.0;9.0+PTX` (`;`, `,` or spaces "
-                                                        "between them; `a`/`f` suffixes as in `9.0a`)"),
+    "TORCH_CUDA_ARCH_LIST": ("the visible GPUs' archs", "archs by number such as `8.0;9.0+PTX` (`;`, `,` or "
+                                                        "spaces between them; `a`/`f` suffixes as in `9.0a`; not "
+                                                        "names such as `Hopper`)"),
 }
 
 SANITIZERS = ("address", "undefined")  # what DEFORM_CONV_SANITIZE=1 means, and all it accepts
@@ -106,7 +107,7 @@ def max_jobs() -> Optional[int]:
     value = _raw("MAX_JOBS")
     if value == "":
         return None
-    if not value.isdigit() or int(value) < 1:
+    if not re.fullmatch(r"[0-9]+", value) or int(value) < 1:  # not str.isdigit(), which takes superscripts
         raise _invalid("MAX_JOBS", value)
     return int(value)
 
@@ -120,6 +121,14 @@ def cuda_archs(spec: Optional[str] = None, name: str = "TORCH_CUDA_ARCH_LIST") -
     if not all(_ARCH.match(a) for a in archs):
         raise _invalid(name, value, "TORCH_CUDA_ARCH_LIST")
     return tuple(sorted(set(archs)))
+
+
+def validate_all() -> None:
+    """Reads every variable, so that a bad value is an error at import even where it would not be used (a
+    warm import builds nothing, yet MAX_JOBS=0 or DEFORM_CONV_VERBOSE=true there is a mistake to report)."""
+    for read in (fallback_to_reference, verbose, cuda_wanted, ahead_of_time, sanitizers, max_jobs, cuda_archs):
+        read()
+    warn_about_unknown_variables()
 
 
 def warn_about_unknown_variables() -> None:

@@ -13,11 +13,15 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional
+
+if TYPE_CHECKING:
+    from ._variant import Variant
 
 import torch
 
-from . import _cache
+from . import _cache, _settings
+from ._errors import BuildError
 
 
 def cxx_name() -> str:
@@ -165,3 +169,58 @@ def default_max_jobs(gib_per_job: float) -> int:
 
 def torch_cuda_major() -> Optional[str]:
     return torch.version.cuda.split(".")[0] if torch.version.cuda else None
+
+
+def check_sanitizer_runtime(variant: "Variant") -> None:
+    """Raises BuildError with the remedy when ``variant`` is built with ASan and this process was not started
+    with ASan's runtime and libstdc++ preloaded. Without libasan, the library would load it as a dependency, too
+    late: the runtime aborts with "ASan runtime does not come first in initial library list". Without libstdc++
+    at start-up (python does not link it), ASan's __cxa_throw interceptor finds no real one, and the first C++
+    exception aborts with "CHECK failed: asan_interceptors.cpp ... real___cxa_throw". (UBSan's runtime loads
+    fine as a dependency.)"""
+    if "address" not in variant.sanitize:
+        return
+    import ctypes
+
+    asan = hasattr(ctypes.CDLL(None), "__asan_init")  # preloaded: its symbols are in the global scope
+    if asan and "libstdc++" in os.environ.get("LD_PRELOAD", ""):
+        return
+    cxx = cxx_name()
+    missing = "libstdc++ preloaded with it" if asan else "the AddressSanitizer runtime preloaded"
+    raise BuildError(
+        f"DEFORM_CONV_SANITIZE={os.environ.get('DEFORM_CONV_SANITIZE', '')} asks for the {variant.label}, which need "
+        f"python started with {missing}.\n"
+        f'Remedy: run with LD_PRELOAD="$({cxx} -print-file-name=libasan.so) $({cxx} -print-file-name=libstdc++.so)" '
+        "ASAN_OPTIONS=detect_leaks=0 (python itself leaks by design), as scripts/sanitize-tests does; or unset "
+        "DEFORM_CONV_SANITIZE."
+    )
+
+
+def check_prerequisites(variant: "Variant") -> None:
+    """Raises BuildError with a remedy for each tool a build needs and does not find, before compiling."""
+    check_sanitizer_runtime(variant)  # the build's child process loads what it built
+    if find_cxx() is None:
+        raise BuildError(
+            f"no C++ compiler found (looked for {cxx_name()!r} on PATH) to build deform_conv's "
+            f"{variant.label}.\nRemedy: install one (Debian/Ubuntu: `apt-get install g++`; conda: "
+            "`conda install gxx`) or point $CXX at it; or copy a prebuilt cache entry here (see the README), or "
+            "set DEFORM_CONV_FALLBACK=reference to run the slow pure-PyTorch implementation."
+        )
+    if ensure_ninja_on_path() is None:
+        raise BuildError("ninja not found, which the build needs.\nRemedy: `pip install ninja`.")
+    if variant.kind != "cuda":
+        return
+    if find_nvcc() is None:
+        raise BuildError(
+            f"CUDA_HOME not found (or without bin/nvcc): no nvcc for deform_conv's {variant.label}.\nRemedy: install "
+            f"the CUDA toolkit matching torch's CUDA {torch.version.cuda} and set CUDA_HOME to it (nvcc is "
+            "$CUDA_HOME/bin/nvcc); or set DEFORM_CONV_CUDA=0 to use the CPU kernels only."
+        )
+    nvcc = identify(find_nvcc(), _settings.cache_dir() / _cache.TOOLCHAINS_FILE)
+    release = nvcc_release(nvcc)
+    if release is None or release.split(".")[0] != torch_cuda_major():
+        raise BuildError(
+            f"nvcc's CUDA ({nvcc} at {find_nvcc()}) differs in major version from the CUDA torch was "
+            f"built with ({torch.version.cuda}); the library would not load.\nRemedy: point CUDA_HOME at a CUDA "
+            f"{torch_cuda_major()}.x toolkit, or install the torch build for CUDA {release}."
+        )

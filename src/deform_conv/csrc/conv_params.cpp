@@ -29,6 +29,14 @@ int64_t checked_add(int64_t a, int64_t b, const char* what) {
   return result;
 }
 
+// 2^48 elements (1 PiB of float32) per image: no real layer comes near it.
+constexpr int64_t kMaxElementsPerImage = int64_t(1) << 48;
+
+void check_per_image(int64_t elements, const char* what) {
+  TORCH_CHECK(elements <= kMaxElementsPerImage, what, " is ", elements, " elements, more than the ",
+              kMaxElementsPerImage, " this op supports");
+}
+
 void check_like_input(const at::Tensor& t, const char* name, const at::Tensor& input) {
   check_strided(t, name);
   TORCH_CHECK(t.scalar_type() == input.scalar_type(), name, " must have the input's dtype ", input.scalar_type(),
@@ -101,11 +109,16 @@ ConvParams make_conv_params(const at::Tensor& input, const at::Tensor& offset, c
               ", kernel ", p.kernel_h, "x", p.kernel_w, ", padding ", padding, ", dilation ", dilation);
   p.out_h = extent_h / p.stride_h + 1;  // cannot overflow: stride >= 1 and extent < padded size <= INT64_MAX
   p.out_w = extent_w / p.stride_w + 1;
-  // Per-image sizes the kernels index with (a batch of 0 images allows any output size in the offset's shape).
+  // Per-image sizes the kernels index with (a batch of 0 images, or expanded tensors, allow any sizes), bounded far
+  // below 2^63 so that every later product with an element size or a tile length stays exact too.
   const int64_t out_pixels = checked_mul(p.out_h, p.out_w, "padding/stride: the output size out_h * out_w");
-  checked_mul(checked_mul(p.height, p.width, "input: height * width"), p.in_channels, "input: an image's size");
-  checked_mul(checked_mul(out_pixels, p.taps(), "the columns of an image"), p.in_channels, "the columns of an image");
-  checked_mul(out_pixels, p.out_channels, "the output of an image");
+  check_per_image(checked_mul(checked_mul(p.height, p.width, "input: height * width"), p.in_channels,
+                              "input: channels * height * width"), "input: channels * height * width");
+  check_per_image(checked_mul(checked_mul(out_pixels, p.taps(), "weight/padding: the columns of an image"),
+                              p.in_channels, "weight/padding: the columns of an image"),
+                  "weight/padding: the columns of an image (out_h * out_w * kernel_h * kernel_w * in_channels)");
+  check_per_image(checked_mul(out_pixels, p.out_channels, "weight/padding: the output of an image"),
+                  "weight/padding: the output of an image (out_channels * out_h * out_w)");
   TORCH_CHECK(offset.size(0) == p.batch && offset.size(2) == p.out_h && offset.size(3) == p.out_w,
               "offset must have shape [", p.batch, ", ", offset.size(1), ", ", p.out_h, ", ", p.out_w, "], got ",
               offset.sizes());

@@ -4,7 +4,12 @@
 // take their own path without GEMMs (depthwise.cpp); the half types run through float32.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#if defined(__clang__) && defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include "../columns_driver.h"
 #include "brgemm.h"
@@ -64,9 +69,20 @@ std::optional<at::Tensor> narrowed(const std::optional<at::Tensor>& t, at::Scala
   return t.has_value() ? std::optional<at::Tensor>(t->to(dtype)) : std::nullopt;
 }
 
+// With GCC the library runs its parallel loops on the OpenMP runtime torch loaded (_compile.link_flags), which
+// torch.set_num_threads sets. Clang emits calls only LLVM's runtime has, so a Clang build has a runtime of its
+// own: give it torch's thread count on every call, which is per calling thread and cheap to set.
+void follow_torch_thread_count() {
+#if defined(__clang__) && defined(_OPENMP)
+  const int threads = at::get_num_threads();
+  if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
+#endif
+}
+
 at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
                    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
                    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation) {
+  follow_torch_thread_count();
   const ConvParams p = make_conv_params(input, offset, weight, mask, bias, stride, padding, dilation);
   if (is_half_type(input)) {
     return forward(widened(input), widened(offset), widened(weight), widened(mask), widened(bias), stride, padding,
@@ -82,6 +98,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
     const std::optional<at::Tensor>& mask, at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
     bool bias_defined) {
+  follow_torch_thread_count();
   const ConvParams p = make_conv_params(input, offset, weight, mask, std::nullopt, stride, padding, dilation);
   check_grad_output(p, grad_output, input);
   if (is_half_type(input)) {
