@@ -210,6 +210,10 @@ def test_a_root_created_under_umask_002_is_private_with_its_parents(tmp_path, fa
     assert result.returncode == 0, result.stderr
     for directory in (root, root.parent, root.parent.parent):
         assert oct(directory.stat().st_mode & 0o777) == "0o700", directory
+    # The linker followed the umask (0775); the published entry must pass the loader's own trust check.
+    entry = Path(result.stdout.split()[1])
+    for path in [entry, *entry.iterdir()]:
+        assert not path.lstat().st_mode & 0o022, f"{path} is group-writable"
 
 
 def test_a_read_only_cache_loads_its_entry_whatever_compiler_is_on_path(tmp_path):

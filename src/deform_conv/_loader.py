@@ -234,10 +234,10 @@ def build(variant: Variant, root: Path, load: bool = True) -> Union[LoadedLibrar
                 "builds apart.\nRemedy: put the cache on a local disk: set DEFORM_CONV_CACHE_DIR to a directory "
                 "there (e.g. under /tmp or ~/.cache)."
             ) from exc
-        raise BuildError(
-            f"building deform_conv's {variant.label} in {root} failed: {exc}\n"
-            "Remedy: make the cache writable, or set DEFORM_CONV_CACHE_DIR to a writable directory."
-        ) from exc
+        remedy = ("free space on that disk, or set DEFORM_CONV_CACHE_DIR to a directory on another one"
+                  if exc.errno in (errno.ENOSPC, errno.EDQUOT) else
+                  "make the cache writable, or set DEFORM_CONV_CACHE_DIR to a writable directory")
+        raise BuildError(f"building deform_conv's {variant.label} in {root} failed: {exc}\nRemedy: {remedy}.") from exc
 
 
 def _check_locks_work(lock_file: Path) -> None:
