@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict
+
+import pytest
 
 import deform_conv
 
@@ -73,3 +76,19 @@ exec "{real}" "$@"
     for path in (directory, objects, *objects.iterdir(), wrapper):
         path.chmod(0o755 if path.is_dir() or path == wrapper else 0o644)
     return wrapper
+
+
+def read_only_command(cache: Path, code: str) -> list:
+    """A command that runs `python -c code` with ``cache`` read-only. Permissions do not bind root, so as root
+    the directory is bind-mounted read-only in a private mount namespace instead."""
+    if os.geteuid() != 0:
+        for path in [cache, *cache.rglob("*")]:
+            path.chmod(path.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+        return [sys.executable, "-c", code]
+    if shutil.which("unshare") is None:
+        pytest.skip("running as root without unshare: cannot make a directory read-only")
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"running as root and unshare -m is not permitted: {probe.stderr.decode().strip()}")
+    script = f'mount --bind -o ro "{cache}" "{cache}" && exec "{sys.executable}" -c "$0"'
+    return ["unshare", "-m", "sh", "-c", script, code]

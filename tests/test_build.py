@@ -8,13 +8,12 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 import torch
 
 import deform_conv
-from deform_conv import _cache, _compile, _loader, _progress, _settings, _toolchain, _variant
+from deform_conv import _cache, _compile, _loader, _progress, _toolchain, _variant
 
 from loader_helpers import ROOT, child_env, compile_lines, fast_compiler
 

@@ -14,7 +14,8 @@ import pytest
 import deform_conv
 from deform_conv import _cache, _toolchain
 
-from loader_helpers import IMPORT_AND_REPORT, child_env, compile_lines, copy_current_cpu_entry, fast_compiler, run_python
+from loader_helpers import (IMPORT_AND_REPORT, child_env, compile_lines, copy_current_cpu_entry, fast_compiler,
+                            read_only_command, run_python)
 
 # Well-formed JSON of the wrong shape, and worse: each must count as absent.
 BAD_JSON = ["[]", '"str"', "null", "1", '{"toolchain_fingerprints": []}', "{", "", '{"a": 1}', "[" * 100000]
@@ -179,25 +180,11 @@ def test_a_library_that_fails_to_load_shows_the_dynamic_loaders_message(tmp_path
     assert f"Remedy: delete {entry}" in result.stderr
 
 
-def _read_only(cache: Path, code: str) -> list:
-    """`python -c code` with ``cache`` read-only: permissions do not bind root, so as root it is bind-mounted
-    read-only in a private mount namespace."""
-    if os.geteuid() != 0:
-        for path in [cache, *cache.rglob("*")]:
-            path.chmod(path.stat().st_mode & ~0o222)
-        return [sys.executable, "-c", code]
-    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"running as root and unshare -m is not permitted: {probe.stderr.decode().strip()}")
-    return ["unshare", "-m", "sh", "-c", f'mount --bind -o ro "{cache}" "{cache}" && exec "{sys.executable}" -c "$0"',
-            code]
-
-
 def test_clean_in_a_read_only_cache_says_what_it_cannot_remove(tmp_path):
     cache = tmp_path / "cache"
     entry = copy_current_cpu_entry(cache)
     code = "import sys; from deform_conv.__main__ import main; sys.exit(main(['clean']))"
-    result = subprocess.run(_read_only(cache, code), capture_output=True, text=True, env=child_env(cache))
+    result = subprocess.run(read_only_command(cache, code), capture_output=True, text=True, env=child_env(cache))
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert f"could not remove {entry}: " in result.stderr and entry.is_dir()
 
@@ -224,7 +211,7 @@ def test_a_read_only_cache_loads_its_entry_whatever_compiler_is_on_path(tmp_path
     other = tmp_path / "other-c++"
     other.write_text('#!/bin/sh\necho "c++ (Other) 99.1.0"\n')
     other.chmod(0o755)
-    result = subprocess.run(_read_only(cache, IMPORT_AND_REPORT), capture_output=True, text=True,
+    result = subprocess.run(read_only_command(cache, IMPORT_AND_REPORT), capture_output=True, text=True,
                             env=child_env(cache, CXX=str(other)))
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[:2] == ["True", str(entry)]

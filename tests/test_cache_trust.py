@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import deform_conv
-from deform_conv import _cache, _variant
+from deform_conv import _cache
 
 from loader_helpers import IMPORT_AND_REPORT, child_env, fast_compiler
 

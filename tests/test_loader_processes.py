@@ -4,22 +4,15 @@ compiler, the fallback switch, and the ahead-of-time build."""
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
-import torch
 
-import deform_conv
 from deform_conv import _cache
 
 from loader_helpers import (IMPORT_AND_REPORT, ROOT, child_env, compile_lines, copy_current_cpu_entry, fast_compiler,
-                            run_python)
+                            read_only_command, run_python)
 
 
 def test_four_processes_importing_at_once_compile_once(tmp_path):
@@ -51,27 +44,11 @@ def test_corrupted_library_is_detected_and_rebuilt(tmp_path):
     assert _cache.inspect_entry(entry).usable  # whole again
 
 
-def _read_only_command(cache: Path, code: str):
-    """A command that runs `python -c code` with ``cache`` read-only. Permissions do not bind root, so as root
-    the directory is bind-mounted read-only in a private mount namespace instead."""
-    if os.geteuid() != 0:
-        for path in [cache, *cache.rglob("*")]:
-            path.chmod(path.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
-        return [sys.executable, "-c", code]
-    if shutil.which("unshare") is None:
-        pytest.skip("running as root without unshare: cannot make a directory read-only")
-    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"running as root and unshare -m is not permitted: {probe.stderr.decode().strip()}")
-    script = f'mount --bind -o ro "{cache}" "{cache}" && exec "{sys.executable}" -c "$0"'
-    return ["unshare", "-m", "sh", "-c", script, code]
-
-
 def test_read_only_complete_entry_loads(tmp_path):
     cache = tmp_path / "cache"
     copy_current_cpu_entry(cache)
     code = IMPORT_AND_REPORT + "; open(deform_conv.cache_root() / 'probe', 'w')"
-    result = subprocess.run(_read_only_command(cache, code), capture_output=True, text=True, env=child_env(cache))
+    result = subprocess.run(read_only_command(cache, code), capture_output=True, text=True, env=child_env(cache))
     # The import succeeded from the cache; the write that follows proves the directory was read-only.
     assert result.stdout.split()[0] == "True", result.stderr
     assert result.returncode != 0 and "Read-only file system" in result.stderr or "Permission denied" in result.stderr

@@ -3,10 +3,8 @@ value and what it accepts, never silently ignored; the README lists them all."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
