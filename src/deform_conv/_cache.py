@@ -30,7 +30,6 @@ import os
 import re
 import shutil
 import stat
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -304,6 +303,8 @@ def write_new_file(path: Path, data: bytes) -> None:
 def replace_file(path: Path, data: bytes) -> None:
     """Writes ``data`` to a new temporary file beside ``path`` (mkstemp: O_EXCL, 0600) and renames it over
     ``path``: a symlink planted at ``path`` is replaced, never written through."""
+    import tempfile  # here: the warm import never writes
+
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -336,6 +337,8 @@ def own_directory(root: Path, name: str) -> Path:
 def discard(path: Path, root: Path) -> None:
     """Removes ``path`` (an entry, a symlink, a leftover): first renamed into a private directory, so that the
     name is free at once and nothing half-deleted is ever seen under it; rmtree follows no symlink."""
+    import tempfile
+
     trash = Path(tempfile.mkdtemp(prefix=f".trash-{path.name}-", dir=root))
     try:
         os.rename(path, trash / "old")

@@ -21,14 +21,13 @@ import dataclasses
 import errno
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import _cache, _compile, _settings, _toolchain
+from . import _cache, _settings, _toolchain
 from ._cache import EntryState
 from ._errors import BuildError
 from ._progress import Elapsed, say
@@ -292,6 +291,8 @@ def _build_locked(variant: Variant, root: Path, load: bool) -> Union[LoadedLibra
             return _load(variant, state) if load else entry
         for stale in _cache.stale_builds(root, entry.name):
             _cache.discard(stale, root)
+        import tempfile  # the build path's modules are imported only when it runs: the warm import stays short
+
         private = Path(tempfile.mkdtemp(prefix=f".build-{entry.name}-", dir=root))
         try:
             seconds = _compile_into(variant, environment, tools, entry, private)
@@ -308,6 +309,8 @@ def _build_locked(variant: Variant, root: Path, load: bool) -> Union[LoadedLibra
 def _compile_into(variant: Variant, environment: Dict[str, object], tools: Dict[str, str], entry: Path,
                   private: Path) -> float:
     """Compiles into ``private`` and writes its key.json last; returns the compile's duration."""
+    from . import _compile
+
     cuda = f" / CUDA {torch.version.cuda}" if variant.kind == "cuda" else ""
     say(f"compiling the {variant.label} for torch {torch.__version__}{cuda} into {entry} "
         "(once; later imports load it)")
