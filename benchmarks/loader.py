@@ -50,6 +50,11 @@ def main() -> None:
             warm.append(float(seconds))
 
     cpu = platform.processor() or platform.machine()
+    try:  # the CPU's model name, which platform.processor() does not give on Linux
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name")) + f", {cpu}"
+    except (OSError, StopIteration):
+        pass
     lines = [
         "# Loader: cold build and warm import",
         "",
