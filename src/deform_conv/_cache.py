@@ -32,7 +32,7 @@ import shutil
 import stat
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import BinaryIO, Dict, Iterator, List, Optional, Tuple
 
 from ._variant import ENTRY_NAME
 
@@ -147,20 +147,34 @@ class EntryState:
         return self.key is not None
 
 
-def _read_trusted_file(path: Path, what: str, judge=None) -> Tuple[Optional[bytes], Optional[str]]:
-    """(contents, None), or (None, why it may not be read as trusted). Opened without following a symlink."""
+def _open_trusted(path: Path, what: str, judge=None) -> Tuple[Optional[BinaryIO], Optional[str], bool]:
+    """(the open file, None, False) if ``path`` is a regular file that ``judge`` (ownership_problem by default)
+    trusts, else (None, why not, whether that is a matter of trust rather than of a missing or unreadable file).
+    Opened without following a symlink, and judged by the open file's own stat: nothing can be swapped between
+    the check and the read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            return None, f"{what} {path} is a symlink"
-        return None, f"{what} {path} cannot be read ({exc.strerror})"
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            return None, f"{what} {path} is not a regular file"
-        problem = (judge or ownership_problem)(st, f"{what} {path}")
-        return (None, problem) if problem else (f.read(), None)
+            return None, f"{what} {path} is a symlink", True
+        return None, f"{what} {path} cannot be read ({exc.strerror})", False
+    f = os.fdopen(fd, "rb")
+    st = os.fstat(f.fileno())
+    problem = (f"{what} {path} is not a regular file" if not stat.S_ISREG(st.st_mode)
+               else (judge or ownership_problem)(st, f"{what} {path}"))
+    if problem:
+        f.close()
+        return None, problem, True
+    return f, None, False
+
+
+def _read_trusted_file(path: Path, what: str, judge=None) -> Tuple[Optional[bytes], Optional[str]]:
+    """(contents, None), or (None, why it may not be read as trusted): see :func:`_open_trusted`."""
+    f, problem, _untrusted = _open_trusted(path, what, judge)
+    if f is None:
+        return None, problem
+    with f:
+        return f.read(), None
 
 
 def _bundled_problem(st: os.stat_result, what: str) -> Optional[str]:
@@ -251,17 +265,10 @@ def inspect_entry(directory: Path, environment: Optional[Dict[str, object]] = No
     library = directory / key["library"]
     if not hash_library:
         return EntryState(directory, key=key)
-    try:
-        fd = os.open(library, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        reason = "is a symlink" if exc.errno == errno.ELOOP else f"cannot be read ({exc.strerror})"
-        return EntryState(directory, problem=f"the library {library} {reason}", untrusted=exc.errno == errno.ELOOP)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        problem = (f"the library {library} is not a regular file" if not stat.S_ISREG(st.st_mode)
-                   else judge(st, f"the library {library}"))
-        if problem:
-            return EntryState(directory, problem=problem, untrusted=True)
+    f, problem, untrusted = _open_trusted(library, "the library", judge)
+    if f is None:
+        return EntryState(directory, problem=problem, untrusted=untrusted)
+    with f:
         if _sha256_of(f) != key["library_sha256"]:
             return EntryState(directory, problem=f"the library {library} is truncated or overwritten (its SHA-256 "
                                                  "differs from the key's)")
