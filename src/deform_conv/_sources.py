@@ -14,6 +14,11 @@ CPU_SOURCES = (
 # The device-independent sources are compiled into both: libraries are loaded with local symbol visibility.
 CUDA_SOURCES = ("conv_params.cpp", "columns_driver.cpp", "cuda/deform_conv_cuda.cu")
 
+# The CUDA simulation, for the tests only (deform_conv.testing.load_cuda_simulation): the CUDA kernels' source
+# compiled by the host compiler against cuda_simulation/simt.h, registered as torch.ops.deform_conv_sim.*.
+CUDA_SIMULATION_SOURCES = ("conv_params.cpp", "columns_driver.cpp", "cuda_simulation/simt.cpp",
+                           "cuda_simulation/kernels.cpp")
+
 # -fopenmp makes at::parallel_for use threads (its OpenMP backend is header code compiled into the library). With
 # GCC the link names the OpenMP runtime torch loaded instead of -fopenmp's -lgomp (_compile.link_flags), so
 # that the library uses torch's runtime and thread count.

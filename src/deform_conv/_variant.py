@@ -22,20 +22,22 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 CSRC = PACKAGE_DIR / _sources.CSRC_DIR
 
 # <tag>-torch<version>-<environment hash>-<toolchain hash>, e.g. cpu-torch2.14.1_cu130-c2d32b4c387d-173d03c9
-ENTRY_NAME = re.compile(r"^(cpu|cuda)[-\w.]*-torch[\w.+]+-[0-9a-f]{12}-[0-9a-f]{8}$")
+ENTRY_NAME = re.compile(r"^(cpu|cuda|cuda_simulation)[-\w.]*-torch[\w.+]+-[0-9a-f]{12}-[0-9a-f]{8}$")
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One library: the CPU one (every schema + CPU kernels) or the CUDA one for a list of GPU archs."""
+    """One library: the CPU one (every schema + CPU kernels), the CUDA one for a list of GPU archs, or the CUDA
+    simulation (the CUDA kernels run on the CPU; tests only, never loaded by ``import deform_conv``)."""
 
-    kind: str                          # "cpu" or "cuda"
+    kind: str                          # "cpu", "cuda" or "cuda_simulation"
     cuda_archs: Tuple[str, ...] = ()   # TORCH_CUDA_ARCH_LIST entries, e.g. ("8.0", "9.0+PTX")
-    sanitize: Tuple[str, ...] = ()     # CPU only: -fsanitize= names from $DEFORM_CONV_SANITIZE, e.g. ("address",)
+    sanitize: Tuple[str, ...] = ()     # host-compiled only: -fsanitize= names from $DEFORM_CONV_SANITIZE
 
     @property
     def sources(self) -> Tuple[str, ...]:
-        return _sources.CPU_SOURCES if self.kind == "cpu" else _sources.CUDA_SOURCES
+        return {"cpu": _sources.CPU_SOURCES, "cuda": _sources.CUDA_SOURCES,
+                "cuda_simulation": _sources.CUDA_SIMULATION_SOURCES}[self.kind]
 
     @property
     def cxx_flags(self) -> Tuple[str, ...]:
@@ -52,14 +54,17 @@ class Variant:
 
     @property
     def label(self) -> str:
+        sanitized = f" (-fsanitize={','.join(self.sanitize)})" if self.sanitize else ""
         if self.kind == "cpu":
-            return "CPU kernels" + (f" (-fsanitize={','.join(self.sanitize)})" if self.sanitize else "")
+            return "CPU kernels" + sanitized
+        if self.kind == "cuda_simulation":
+            return "CUDA simulation" + sanitized
         return "CUDA kernels for " + ", ".join("sm_" + a.replace(".", "") for a in self.cuda_archs)
 
     @property
     def tag(self) -> str:
-        if self.kind == "cpu":
-            return "cpu" + ("-sanitize_" + "_".join(self.sanitize) if self.sanitize else "")
+        if self.kind != "cuda":
+            return self.kind + ("-sanitize_" + "_".join(self.sanitize) if self.sanitize else "")
         return "cuda-" + "_".join("sm" + a.replace(".", "").replace("+PTX", "ptx") for a in self.cuda_archs)
 
 

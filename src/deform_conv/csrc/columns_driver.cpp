@@ -13,8 +13,10 @@ namespace {
 // At most this many images share one column buffer, whatever the budget allows.
 constexpr int64_t kMaxImagesPerChunk = 32;
 
-int64_t images_per_chunk(const ConvParams& p, int64_t element_size, int64_t budget_bytes) {
-  const int64_t per_image = std::max<int64_t>(1, p.out_pixels() * p.taps() * p.in_channels * element_size);
+// `extra_per_image`: bytes of other per-chunk buffers that must fit in the budget beside the columns.
+int64_t images_per_chunk(const ConvParams& p, int64_t element_size, int64_t budget_bytes, int64_t extra_per_image = 0) {
+  const int64_t per_image =
+      std::max<int64_t>(1, p.out_pixels() * p.taps() * p.in_channels * element_size + extra_per_image);
   return std::clamp<int64_t>(budget_bytes / per_image, 1, kMaxImagesPerChunk);
 }
 
@@ -85,6 +87,51 @@ void backward_gemms_with_aten(const ConvParams& p, const at::Tensor& grad_output
   }
 }
 
+
+// The forward's GEMMs of one chunk as plain batched GEMMs (cuBLAS): per weight group, one GEMM over the chunk's
+// images, [C_out/G, taps * C_in/G] x [taps * C_in/G, H_out*W_out] for each image (the weight broadcast, not
+// copied), straight into the output, with the bias as the GEMM's addend (beta = 1) rather than a pass of its own.
+// groups == 1: one GEMM a chunk.
+void chunk_gemms_forward(const ConvParams& p, const at::Tensor& chunk_columns, const at::Tensor& weight_1x1,
+                         const std::optional<at::Tensor>& bias, at::Tensor output) {
+  const int64_t images = chunk_columns.size(0), per_group = p.taps() * p.in_channels_per_group();
+  const int64_t out_per_group = p.out_channels_per_group();
+  const at::Tensor columns = chunk_columns.permute({0, 2, 3, 1}).view({images, p.out_pixels(), p.groups, per_group});
+  const at::Tensor weights = weight_1x1.view({p.groups, out_per_group, per_group});
+  at::Tensor out = output.view({images, p.groups, out_per_group, p.out_pixels()});
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const at::Tensor a = weights[g].expand({images, out_per_group, per_group});
+    const at::Tensor b = columns.select(2, g).transpose(1, 2);  // [images, taps * C_in/G, H_out*W_out]
+    at::Tensor out_g = out.select(1, g);                         // [images, C_out/G, H_out*W_out]
+    if (bias.has_value()) {
+      const at::Tensor addend = bias->narrow(0, g * out_per_group, out_per_group).view({1, out_per_group, 1});
+      at::baddbmm_out(out_g, addend.expand({images, out_per_group, p.out_pixels()}), a, b);
+    } else {
+      at::bmm_out(out_g, a, b);
+    }
+  }
+}
+
+// The backward's GEMMs of one chunk as plain GEMMs (cuBLAS), one pair per weight group: the chunk's images and
+// output pixels together are one dimension of length images * H_out*W_out, since the columns
+// [images * H_out*W_out, groups * taps * C_in/G] and grad_output read channels-last, `grad_rows`
+// [images * H_out*W_out, C_out], are plain matrices. The weight's gradient [C_out/G, taps * C_in/G] +=
+// grad_rows_g^T x columns_g, then the columns' gradient overwrites them, columns_g = grad_rows_g x weight_g.
+// groups == 1: two GEMMs a chunk.
+void chunk_gemms_backward(const ConvParams& p, const at::Tensor& grad_rows, const at::Tensor& weight_matrix,
+                          at::Tensor& chunk_columns, at::Tensor& grad_weights) {
+  const int64_t images = chunk_columns.size(0), per_group = p.taps() * p.in_channels_per_group();
+  const int64_t out_per_group = p.out_channels_per_group();
+  at::Tensor columns = chunk_columns.permute({0, 2, 3, 1}).view({images * p.out_pixels(), p.groups * per_group});
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const at::Tensor grad_g = grad_rows.narrow(1, g * out_per_group, out_per_group);
+    at::Tensor columns_g = columns.narrow(1, g * per_group, per_group);
+    add_product(grad_weights.view({p.out_channels, -1}).narrow(0, g * out_per_group, out_per_group), grad_g.t(),
+                columns_g);
+    // Half types: cuBLAS multiplies on the tensor cores and accumulates in float, then rounds once.
+    at::mm_out(columns_g, grad_g, weight_matrix.narrow(0, g * out_per_group, out_per_group));
+  }
+}
 }  // namespace
 
 SamplingTensors::SamplingTensors(const SamplingPasses& passes, const at::Tensor& input_, const at::Tensor& offset_,
@@ -116,20 +163,8 @@ at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const
       output.narrow(0, first, images).copy_(at::conv2d(chunk_columns, weight_1x1, bias, kOnes, kZeros, kOnes, p.groups));
       continue;
     }
-    // Image by image and group by group: [C_out/G, taps * C_in/G] x [taps * C_in/G, H_out*W_out].
-    const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
-    const at::Tensor weight_matrix = weight_1x1.view({p.out_channels, per_group});
-    for (int64_t n = 0; n < images; ++n) {
-      const at::Tensor columns_n = chunk_columns[n].permute({1, 2, 0}).view({p.out_pixels(), p.groups * per_group});
-      at::Tensor output_n = output[first + n].view({p.out_channels, p.out_pixels()});
-      for (int64_t g = 0; g < p.groups; ++g) {
-        at::Tensor output_g = output_n.narrow(0, g * out_per_group, out_per_group);
-        at::mm_out(output_g, weight_matrix.narrow(0, g * out_per_group, out_per_group),
-                   columns_n.narrow(1, g * per_group, per_group).t());
-      }
-    }
+    chunk_gemms_forward(p, chunk_columns, weight_1x1, bias, output.narrow(0, first, images));
   }
-  if (!passes.gemm_as_convolution && bias.has_value()) output.add_(bias->view({1, p.out_channels, 1, 1}));
   return output;
 }
 
@@ -151,14 +186,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
   if (p.batch > 0 && p.out_channels > 0) {
     const SamplingTensors tensors(passes, input, offset, mask);
     const at::Tensor weight_matrix = weight_as_1x1(p, weight).view({p.out_channels, -1});
-    const int64_t chunk = images_per_chunk(p, input.element_size(), passes.column_budget_bytes);
+    // GPU GEMMs read grad_output channels-last: a copy of each chunk's part unless it is already (as the
+    // gradient of a channels-last output is). The copy counts against the column budget, so the peak stays as it
+    // was without it.
+    const bool chunk_gemms = !passes.gemm_as_convolution;
+    const bool copy_grad_rows = chunk_gemms && !grad_output.is_contiguous(at::MemoryFormat::ChannelsLast);
+    const at::Tensor grad_output_rows = chunk_gemms ? grad_output.permute({0, 2, 3, 1}) : at::Tensor();
+    const int64_t chunk = images_per_chunk(p, input.element_size(), passes.column_budget_bytes,
+                                           copy_grad_rows ? p.out_pixels() * p.out_channels * input.element_size() : 0);
     at::Tensor columns = column_buffer(passes, p, std::min(chunk, p.batch), input.options());
     for (int64_t first = 0; first < p.batch; first += chunk) {
       const int64_t images = std::min(chunk, p.batch - first);
       at::Tensor chunk_columns = columns.narrow(0, 0, images);
       passes.fill_columns(p, tensors, first, images, chunk_columns);
-      if (passes.backward_gemms == nullptr ||
-          !passes.backward_gemms(p, grad_output, first, images, weight_matrix, chunk_columns, grad_weights)) {
+      if (chunk_gemms) {
+        const at::Tensor grad_rows = grad_output_rows.narrow(0, first, images).contiguous()
+                                         .view({images * p.out_pixels(), p.out_channels});
+        chunk_gemms_backward(p, grad_rows, weight_matrix, chunk_columns, grad_weights);
+      } else if (passes.backward_gemms == nullptr ||
+                 !passes.backward_gemms(p, grad_output, first, images, weight_matrix, chunk_columns, grad_weights)) {
         backward_gemms_with_aten(p, grad_output, first, images, weight_matrix, chunk_columns, grad_weights);
       }
       passes.coordinate_and_mask_grads(p, tensors, first, images, chunk_columns, grad_offset, grad_mask);

@@ -31,7 +31,61 @@ namespace deform_conv {
 DC_HOST_DEVICE inline float floor_of(float v) { return floorf(v); }
 DC_HOST_DEVICE inline double floor_of(double v) { return floor(v); }
 
-// The in-image neighbours of one sampling point. `T` is the accumulation type (float or double).
+// One sampling point's four integer neighbours, corner q = 0..3 being (y0, x0), (y0, x0 + 1), (y0 + 1, x0),
+// (y0 + 1, x0 + 1). Everything a kernel needs is a function of a corner number, so loops over q = 0..3 unroll
+// with constant q and the point lives in registers (the CUDA kernels: no local memory, no stack frame).
+template <typename T, typename index_t>
+struct BilinearPoint {
+  bool nan = false;       // a coordinate is NaN (then no corner is valid)
+  bool inside = false;    // -1 <= y < height and -1 <= x < width: at least one corner lies in the image
+  index_t y0 = 0, x0 = 0; // the top-left neighbour
+  T ly = 0, lx = 0;       // distance to it, in [0, 1)
+  T hy = 0, hx = 0;       // 1 - ly, 1 - lx
+  bool top = false, bottom = false, left = false, right = false;  // which rows and columns lie in the image
+
+  DC_HOST_DEVICE bool valid(int q) const { return (q < 2 ? top : bottom) && ((q & 1) ? right : left); }
+  DC_HOST_DEVICE index_t pixel(int q, index_t width) const {  // y * width + x of corner q
+    return (y0 + (q >> 1)) * width + x0 + (q & 1);
+  }
+  DC_HOST_DEVICE T weight(int q) const { return (q < 2 ? hy : ly) * ((q & 1) ? lx : hx); }
+  DC_HOST_DEVICE T weight_dy(int q) const {  // d weight / d y
+    const T w = (q & 1) ? lx : hx;
+    return q < 2 ? -w : w;
+  }
+  DC_HOST_DEVICE T weight_dx(int q) const {  // d weight / d x
+    const T w = q < 2 ? hy : ly;
+    return (q & 1) ? w : -w;
+  }
+};
+
+template <typename T, typename index_t>
+DC_HOST_DEVICE inline BilinearPoint<T, index_t> bilinear_point(T y, T x, index_t height, index_t width) {
+  BilinearPoint<T, index_t> b;
+  if (y != y || x != x) {  // NaN
+    b.nan = true;
+    return b;
+  }
+  // At y == -1 (x == -1) the only in-image neighbours have weight 0: the value is 0 and the derivative the
+  // one from above.
+  if (!(y >= T(-1) && y < T(height) && x >= T(-1) && x < T(width))) return b;
+  b.inside = true;
+  const T y_floor = floor_of(y);
+  const T x_floor = floor_of(x);
+  b.y0 = static_cast<index_t>(y_floor);
+  b.x0 = static_cast<index_t>(x_floor);
+  b.ly = y - y_floor;
+  b.lx = x - x_floor;
+  b.hy = T(1) - b.ly;
+  b.hx = T(1) - b.lx;
+  b.top = b.y0 >= 0;
+  b.bottom = b.y0 + 1 < height;
+  b.left = b.x0 >= 0;
+  b.right = b.x0 + 1 < width;
+  return b;
+}
+
+// The same point as a compact list of its in-image neighbours (the CPU loops walk it). `T` is the
+// accumulation type (float or double).
 template <typename T>
 struct BilinearSample {
   bool nan = false;       // the coordinate is NaN (then count is 0)
@@ -43,55 +97,46 @@ struct BilinearSample {
 };
 
 template <typename T>
-DC_HOST_DEVICE inline void add_neighbour(BilinearSample<T>& s, int64_t pixel, T weight, T weight_dy,
-                                         T weight_dx) {
-  s.pixel[s.count] = pixel;
-  s.weight[s.count] = weight;
-  s.weight_dy[s.count] = weight_dy;
-  s.weight_dx[s.count] = weight_dx;
-  ++s.count;
-}
-
-template <typename T>
 DC_HOST_DEVICE inline BilinearSample<T> bilinear_sample(T y, T x, int64_t height, int64_t width) {
+  const BilinearPoint<T, int64_t> b = bilinear_point(y, x, height, width);
   BilinearSample<T> s;
-  if (y != y || x != x) {  // NaN
-    s.nan = true;
-    return s;
+  s.nan = b.nan;
+  for (int q = 0; q < 4; ++q) {
+    if (!b.valid(q)) continue;
+    s.pixel[s.count] = b.pixel(q, width);
+    s.weight[s.count] = b.weight(q);
+    s.weight_dy[s.count] = b.weight_dy(q);
+    s.weight_dx[s.count] = b.weight_dx(q);
+    ++s.count;
   }
-  // At y == -1 (x == -1) the only in-image neighbours have weight 0: the value is 0 and the derivative the
-  // one from above.
-  if (!(y >= T(-1) && y < T(height) && x >= T(-1) && x < T(width))) return s;
-
-  const T y_floor = floor_of(y);
-  const T x_floor = floor_of(x);
-  const int64_t y0 = static_cast<int64_t>(y_floor);
-  const int64_t x0 = static_cast<int64_t>(x_floor);
-  const T ly = y - y_floor, lx = x - x_floor;  // distance to the top-left neighbour, in [0, 1)
-  const T hy = T(1) - ly, hx = T(1) - lx;
-  const bool top = y0 >= 0, bottom = y0 + 1 < height;
-  const bool left = x0 >= 0, right = x0 + 1 < width;
-
-  if (top && left) add_neighbour(s, y0 * width + x0, hy * hx, -hx, -hy);
-  if (top && right) add_neighbour(s, y0 * width + x0 + 1, hy * lx, -lx, hy);
-  if (bottom && left) add_neighbour(s, (y0 + 1) * width + x0, ly * hx, hx, -ly);
-  if (bottom && right) add_neighbour(s, (y0 + 1) * width + x0 + 1, ly * lx, lx, ly);
   return s;
 }
 
 // Where a point's sums (its value, d value / d y, d value / d x) start before its neighbours are added: 0, or
 // NaN for a NaN coordinate, so that all of them come out NaN.
 template <typename T>
+DC_HOST_DEVICE inline T sum_start(bool nan) {
+  return nan ? T(NAN) : T(0);
+}
+template <typename T>
 DC_HOST_DEVICE inline T sum_start(const BilinearSample<T>& s) {
-  return s.nan ? T(NAN) : T(0);
+  return sum_start<T>(s.nan);
 }
 
 // d loss / d y (or x) of a point with mask factor m, given the derivative of the unmasked value: m * grad,
 // except for a point outside the image, whose value does not depend on its coordinates: exactly 0 even where
 // m is infinite or NaN (m * 0 would be NaN).
 template <typename T>
+DC_HOST_DEVICE inline T coordinate_grad(bool outside, T m, T grad) {
+  return outside ? T(0) : m * grad;
+}
+template <typename T>
 DC_HOST_DEVICE inline T coordinate_grad(const BilinearSample<T>& s, T m, T grad) {
-  return s.count == 0 && !s.nan ? T(0) : m * grad;
+  return coordinate_grad(s.count == 0 && !s.nan, m, grad);
+}
+template <typename T, typename index_t>
+DC_HOST_DEVICE inline T coordinate_grad(const BilinearPoint<T, index_t>& b, T m, T grad) {
+  return coordinate_grad(!b.inside && !b.nan, m, grad);
 }
 
 }  // namespace deform_conv

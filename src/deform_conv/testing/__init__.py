@@ -1,0 +1,65 @@
+"""Test facilities: the CUDA simulation.
+
+:func:`load_cuda_simulation` builds (once, into a cache entry of its own) and loads the CUDA kernels' own source
+compiled by the host compiler against a small execution layer (``csrc/cuda_simulation/``): blocks and threads,
+warp shuffles with one fiber per lane, atomics, CUDA's launch limits. It registers the CUDA backend, driven by
+the shared driver in its GPU GEMM mode, on CPU tensors as ``torch.ops.deform_conv_sim.deform_conv2d`` and
+``torch.ops.deform_conv_sim.deform_conv2d_backward``, with the schemas of ``torch.ops.deform_conv.*``. It is
+slow (one fiber per simulated thread) and exists so that the CUDA kernels run in every test run, GPU or not;
+``import deform_conv`` never loads it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import _loader, _settings
+from .._variant import Variant
+
+_loaded: Optional[_loader.LoadedLibrary] = None
+
+# The GPU's threshold (cuda/deform_conv_cuda.cu, fits_int32): the 32-bit index path below 2^30 elements.
+GPU_INT32_LIMIT = 2**30
+
+
+class SimulationStatistics(NamedTuple):
+    """What the simulation has run since it was loaded."""
+
+    launches: int
+    blocks: int
+    threads: int
+    shuffles: int          # warp shuffles completed (each by all 32 lanes of a warp)
+    int32_launches: int    # passes launched with 32-bit index arithmetic
+    int64_launches: int    # ... with 64-bit
+
+
+def load_cuda_simulation(int32_limit: Optional[int] = None, shuffle_blocks: bool = False,
+                         seed: int = 0) -> _loader.LoadedLibrary:
+    """Loads the CUDA simulation (building it the first time) and sets how it runs.
+
+    Args:
+        int32_limit: the number of elements below which the kernels take the 32-bit index path (None: the GPU's,
+            2^30); 1 sends every call down the 64-bit path.
+        shuffle_blocks: run the blocks of each launch, and the warps within each block, in a random order drawn
+            from ``seed`` (and a count of launches), instead of in index order.
+        seed: see ``shuffle_blocks``.
+
+    Instrumented with the sanitizers when $DEFORM_CONV_SANITIZE asks for them, as the CPU library is.
+    """
+    global _loaded
+    limit = GPU_INT32_LIMIT if int32_limit is None else int32_limit
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= GPU_INT32_LIMIT:
+        raise ValueError(f"int32_limit must be an int in [1, 2**30] or None, got {int32_limit!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if _loaded is None:
+        _loaded = _loader.load(Variant("cuda_simulation", sanitize=_settings.sanitizers()))
+    torch.ops.deform_conv_sim.configure(limit, bool(shuffle_blocks), seed)
+    return _loaded
+
+
+def simulation_statistics() -> SimulationStatistics:
+    """Counts of what the simulation ran (after :func:`load_cuda_simulation`)."""
+    return SimulationStatistics(*torch.ops.deform_conv_sim.statistics())
