@@ -1,7 +1,9 @@
-"""The CUDA library compiles for sm_90 through the loader path users take, on a machine with or without a GPU."""
+"""The CUDA library compiles for sm_90 through the loader path users take, on a machine with or without a GPU, and
+ptxas reports no local memory in any kernel (no stack frame, no spills: every sampling point lives in registers)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -31,9 +33,38 @@ def test_cuda_library_compiles_for_sm90(tmp_path):
     key = _cache.inspect_entry(entry).key
     assert key is not None and key["environment"]["cuda_archs"] == ["9.0"]
     assert key["toolchain"]["nvcc"].startswith("nvcc ")
+    check_no_local_memory((entry / "build.log").read_text())
     # The library holds sm_90 machine code (cuobjdump lists the cubins of a fat binary).
     cuobjdump = _toolchain.cuda_home() / "bin" / "cuobjdump"
     if cuobjdump.is_file():
         listing = subprocess.run([str(cuobjdump), "--list-elf", str(entry / key["library"])], capture_output=True,
                                  text=True, check=True).stdout
         assert "sm_90" in listing, listing
+
+
+KERNELS = ("fill_columns_kernel", "coordinate_grads_kernel", "input_grad_atomic_kernel", "entry_keys_kernel",
+           "input_grad_gather_kernel")
+
+
+def check_no_local_memory(log: str) -> None:
+    """ptxas -v (NVCC_FLAGS) prints, for each function it compiles, "Compiling entry function '<mangled>'" and
+    then "<n> bytes stack frame, <n> bytes spill stores, <n> bytes spill loads"."""
+    entries = re.findall(r"Compiling entry function '(\w+)' for 'sm_90'", log)
+    for kernel in KERNELS:
+        assert any(kernel in name for name in entries), f"ptxas compiled no {kernel} for sm_90"
+    usage = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert len(usage) >= len(entries), "ptxas did not report every kernel's stack frame"
+    offending = [line for line in log.splitlines()
+                 if re.search(r"bytes stack frame", line) and not re.search(r"\b0 bytes stack frame, 0 bytes spill "
+                                                                            r"stores, 0 bytes spill loads", line)]
+    assert not offending, "kernels with local memory:\n" + "\n".join(offending)
+
+
+def test_the_local_memory_check_sees_a_stack_frame():
+    """A log like the one the kernels gave before they kept their sampling points in registers."""
+    log = "".join(f"ptxas info    : Compiling entry function '_Z{k}' for 'sm_90'\n"
+                  "ptxas info    : Function properties for x\n"
+                  "    176 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n" for k in KERNELS)
+    with pytest.raises(AssertionError, match="kernels with local memory"):
+        check_no_local_memory(log)
+    check_no_local_memory(log.replace("176 bytes", "0 bytes"))

@@ -30,8 +30,9 @@ CUDA_SIMULATION_SOURCES = ("conv_params.cpp", "columns_driver.cpp", "cuda_simula
 # to the next.
 CXX_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 LD_FLAGS = ("-fopenmp", "-Wl,--as-needed")
-# No --use_fast_math: it changes results (division, denormals) and NaN handling.
-NVCC_FLAGS = ("-O3", "-lineinfo")
+# No --use_fast_math: it changes results (division, denormals) and NaN handling. -Xptxas=-v: ptxas reports each
+# kernel's registers, stack frame and spills in build.log (the tests check that no kernel uses local memory).
+NVCC_FLAGS = ("-O3", "-lineinfo", "-Xptxas=-v")
 # DEFORM_CONV_SANITIZE (CPU library only, after -fsanitize=...; -O1 replaces -O3): stop at the first report so
 # that a test run fails, and keep frames and line numbers in the reports.
 SANITIZE_CXX_FLAGS = ("-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g", "-O1")

@@ -50,21 +50,23 @@ at::Tensor column_buffer(const SamplingPasses& passes, const ConvParams& p, int6
 const std::vector<int64_t> kOnes{1, 1}, kZeros{0, 0};
 
 // sum += a x b, where `sum` may be float while a and b are half or bfloat16 (the weight's gradient sums over
-// every image in float). Since torch 2.8 the product itself runs on the half types' tensor cores with a float
-// result; before, the factors are widened first.
+// every image in float). On a GPU since torch 2.8 the product itself runs on the half types' tensor cores with a
+// float result; otherwise the factors are widened first.
 void add_product(at::Tensor sum, const at::Tensor& a, const at::Tensor& b) {
   if (sum.scalar_type() == a.scalar_type()) {
     sum.addmm_(a, b);
     return;
   }
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
-  sum.add_(at::mm(a, b, sum.scalar_type()));
-#else
-  sum.addmm_(a.to(sum.scalar_type()), b.to(sum.scalar_type()));
+  if (sum.is_cuda()) {  // (mm's out_dtype has only a CUDA kernel; the CUDA simulation runs on the CPU)
+    sum.add_(at::mm(a, b, sum.scalar_type()));
+    return;
+  }
 #endif
+  sum.addmm_(a.to(sum.scalar_type()), b.to(sum.scalar_type()));
 }
 
-// The backward's GEMMs for images [first, first + images), image by image and group by group, with plain GEMMs
+// The CPU backward's GEMMs for images [first, first + images), image by image and group by group, with plain GEMMs
 // into buffers that exist already (no temporaries of the columns' size, except that for the half types
 // add_product makes a float product of a weight group's size, and before torch 2.8 widens the image's columns of
 // the group too): first the weight's gradient, accumulated in place,

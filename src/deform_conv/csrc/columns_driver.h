@@ -1,9 +1,9 @@
 // The device-independent part of the op: lay out the tensors, walk the batch in chunks, and run the GEMMs
-// through ATen: the forward's as a 1x1 convolution over the columns on the CPU (oneDNN) and as plain GEMMs on
-// the GPU (cuBLAS), the backward's as plain GEMMs into buffers that exist already, unless the backend runs them
-// itself (SamplingPasses::backward_gemms). Each backend supplies its three passes over the sampling points
-// (SamplingPasses); the column layout they share is ConvParams::column_index. (On the CPU most float32 forwards
-// take a path of their own, cpu/tiled_forward.h.)
+// through ATen: on the CPU the forward's as a 1x1 convolution over the columns (oneDNN) and the backward's image by
+// image unless the backend runs them itself (SamplingPasses::backward_gemms); on the GPU all of them as plain
+// GEMMs over a whole chunk, one (batched) GEMM per weight group (cuBLAS). Each backend supplies its three passes
+// over the sampling points (SamplingPasses); the column layout they share is ConvParams::column_index. (On the CPU
+// most float32 forwards take a path of their own, cpu/tiled_forward.h.)
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -33,8 +33,9 @@ struct SamplingPasses {
                                 const at::Tensor& grad_columns, at::Tensor& grad_input);
   // The column buffer of one chunk stays under this size (at least one image).
   int64_t column_budget_bytes;
-  // The forward's GEMM as a 1x1 convolution (oneDNN on the CPU: faster than BLAS there), or as plain GEMMs
-  // (on CUDA: cuDNN would use TF32 for float32 by default, cuBLAS follows torch's matmul setting, off).
+  // The forward's GEMM as a 1x1 convolution (oneDNN on the CPU: faster than BLAS there), or every GEMM as a plain
+  // one over the whole chunk (on CUDA: cuDNN would use TF32 for float32 by default, cuBLAS follows torch's matmul
+  // setting, off).
   bool gemm_as_convolution;
   // The backward's GEMMs for images [first, first + images), where the backend has a faster way than the
   // driver's ATen mm per image and group: grad_weights [C_out, taps * C_in/G] += grad_output x columns, then

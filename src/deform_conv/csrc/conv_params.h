@@ -24,6 +24,9 @@ struct ConvParams {
   DC_HOST_DEVICE int64_t in_channels_per_group() const { return in_channels / groups; }
   DC_HOST_DEVICE int64_t out_channels_per_group() const { return out_channels / groups; }
   DC_HOST_DEVICE int64_t channels_per_offset_group() const { return in_channels / offset_groups; }
+  // groups == in_channels == out_channels: each output channel is one input channel's samples weighted by kh*kw
+  // numbers, so the backends skip the columns and the GEMMs.
+  DC_HOST_DEVICE bool is_depthwise() const { return groups == in_channels && out_channels == in_channels; }
 
   // The columns of a chunk of images: [images, out_h, out_w, groups, taps, in_channels / groups], channels
   // innermost. Read as a channels-last tensor with groups * taps * C_in/groups channels, a 1x1 convolution with

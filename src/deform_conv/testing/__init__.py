@@ -35,8 +35,8 @@ class SimulationStatistics(NamedTuple):
     int64_launches: int    # ... with 64-bit
 
 
-def load_cuda_simulation(int32_limit: Optional[int] = None, shuffle_blocks: bool = False,
-                         seed: int = 0) -> _loader.LoadedLibrary:
+def load_cuda_simulation(int32_limit: Optional[int] = None, shuffle_blocks: bool = False, seed: int = 0,
+                         budget_bytes: Optional[int] = None) -> _loader.LoadedLibrary:
     """Loads the CUDA simulation (building it the first time) and sets how it runs.
 
     Args:
@@ -45,6 +45,8 @@ def load_cuda_simulation(int32_limit: Optional[int] = None, shuffle_blocks: bool
         shuffle_blocks: run the blocks of each launch, and the warps within each block, in a random order drawn
             from ``seed`` (and a count of launches), instead of in index order.
         seed: see ``shuffle_blocks``.
+        budget_bytes: the memory budget of one chunk of images (None: the GPU's, 256 MiB); a small one makes small
+            tests take many chunks (at least one image each).
 
     Instrumented with the sanitizers when $DEFORM_CONV_SANITIZE asks for them, as the CPU library is.
     """
@@ -54,9 +56,12 @@ def load_cuda_simulation(int32_limit: Optional[int] = None, shuffle_blocks: bool
         raise ValueError(f"int32_limit must be an int in [1, 2**30] or None, got {int32_limit!r}")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if budget_bytes is not None and (not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool)
+                                     or budget_bytes < 1):
+        raise ValueError(f"budget_bytes must be a positive int or None, got {budget_bytes!r}")
     if _loaded is None:
         _loaded = _loader.load(Variant("cuda_simulation", sanitize=_settings.sanitizers()))
-    torch.ops.deform_conv_sim.configure(limit, bool(shuffle_blocks), seed)
+    torch.ops.deform_conv_sim.configure(limit, bool(shuffle_blocks), seed, budget_bytes or 0)
     return _loaded
 
 

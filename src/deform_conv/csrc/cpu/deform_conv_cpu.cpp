@@ -89,7 +89,7 @@ at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::
                    dilation)
         .to(input.scalar_type());
   }
-  if (is_depthwise(p)) return depthwise_forward(p, input, offset, weight, mask, bias);
+  if (p.is_depthwise()) return depthwise_forward(p, input, offset, weight, mask, bias);
   if (tiled_forward_applies(p, input)) return tiled_forward(p, input, offset, mask, weight, bias);
   return forward_with(kPasses, p, input, offset, weight, mask, bias);
 }
@@ -107,7 +107,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
                                          widened(mask), stride, padding, dilation, bias_defined);
     return {gi.to(dtype), go.to(dtype), gw.to(dtype), narrowed(gm, dtype), narrowed(gb, dtype)};
   }
-  if (is_depthwise(p)) return depthwise_backward(p, grad_output, input, offset, weight, mask, bias_defined);
+  if (p.is_depthwise()) return depthwise_backward(p, grad_output, input, offset, weight, mask, bias_defined);
   return backward_with(kPasses, p, grad_output, input, offset, weight, mask, bias_defined);
 }
 

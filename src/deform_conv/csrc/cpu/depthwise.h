@@ -13,10 +13,6 @@
 namespace deform_conv {
 namespace cpu {
 
-inline bool is_depthwise(const ConvParams& p) {
-  return p.groups == p.in_channels && p.out_channels == p.in_channels;
-}
-
 at::Tensor depthwise_forward(const ConvParams& p, const at::Tensor& input, const at::Tensor& offset,
                              const at::Tensor& weight, const std::optional<at::Tensor>& mask,
                              const std::optional<at::Tensor>& bias);

@@ -35,6 +35,8 @@ DC_DEVICE void atomic_add(T* address, T value) {
 // Below this many elements in every tensor a kernel indexes, it runs its index arithmetic in 32 bits.
 inline int64_t int32_index_limit() { return int64_t(1) << 30; }
 inline void note_index_bits(int) {}  // counted by the simulation only
+// The memory budget of a chunk (the simulation may lower it, so that small tests take many chunks).
+inline int64_t budget_bytes(int64_t gpu_budget) { return gpu_budget; }
 
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), int64_t blocks, int threads, Args&&... args) {

@@ -247,10 +247,11 @@ void run_grid(int64_t blocks, int64_t threads, const std::function<void()>& body
 
 namespace {
 
-void configure(int64_t int32_limit, bool shuffle_blocks, int64_t seed) {
+void configure(int64_t int32_limit, bool shuffle_blocks, int64_t seed, int64_t budget_bytes) {
   TORCH_CHECK(int32_limit >= 1 && int32_limit <= (int64_t(1) << 30), "int32_limit must be in [1, 2^30], got ",
               int32_limit);
-  deform_conv::sim::options() = {int32_limit, shuffle_blocks, static_cast<uint64_t>(seed)};
+  TORCH_CHECK(budget_bytes >= 0, "budget_bytes must be >= 0, got ", budget_bytes);
+  deform_conv::sim::options() = {int32_limit, shuffle_blocks, static_cast<uint64_t>(seed), budget_bytes};
 }
 
 // [launches, blocks, threads, shuffles, launches with 32-bit indices, launches with 64-bit indices] so far.
@@ -264,6 +265,6 @@ std::vector<int64_t> statistics() {
 TORCH_LIBRARY(deform_conv_sim, m) {
   m.def(deform_conv::kDeformConv2dSchema);
   m.def(deform_conv::kDeformConv2dBackwardSchema);
-  m.def("configure(int int32_limit, bool shuffle_blocks, int seed) -> ()", &configure);
+  m.def("configure(int int32_limit, bool shuffle_blocks, int seed, int budget_bytes) -> ()", &configure);
   m.def("statistics() -> int[]", &statistics);
 }

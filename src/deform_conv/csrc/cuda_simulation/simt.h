@@ -33,6 +33,7 @@ struct Options {
   int64_t int32_limit = int64_t(1) << 30;  // the 32-bit index path below this many elements (as on the GPU)
   bool shuffle_blocks = false;             // blocks, and warps within a block, in a seeded random order
   uint64_t seed = 0;
+  int64_t budget_bytes = 0;                // > 0: replaces the GPU's chunk budget
 };
 Options& options();
 
@@ -76,6 +77,9 @@ inline void atomic_add(T* address, T value) {
 
 inline int64_t int32_index_limit() { return sim::options().int32_limit; }
 inline void note_index_bits(int bits) { sim::note_index_bits(bits); }
+inline int64_t budget_bytes(int64_t gpu_budget) {
+  return sim::options().budget_bytes > 0 ? sim::options().budget_bytes : gpu_budget;
+}
 
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), int64_t blocks, int threads, Args&&... args) {
