@@ -41,7 +41,8 @@ def simulation():
     testing.load_cuda_simulation()  # the defaults again for whatever runs next
 
 
-def simulated(case: Case, tensors: Optional[List[torch.Tensor]] = None, seed: int = 1) -> List[torch.Tensor]:
+def simulated(case: Case, tensors: Optional[List[torch.Tensor]] = None, seed: int = 1,
+              border_gradient: str = "torchvision") -> List[torch.Tensor]:
     """[output, d/d each tensor of the case] from the simulated CUDA ops, for the grad_output output_and_grads
     draws (the same values, so the two compare directly)."""
     tensors = tensors or case.tensors()
@@ -50,11 +51,11 @@ def simulated(case: Case, tensors: Optional[List[torch.Tensor]] = None, seed: in
     bias = next(it) if case.bias is not None else None
     mask = next(it) if case.mask is not None else None
     geometry = [list(case.stride), list(case.padding), list(case.dilation)]
-    out = torch.ops.deform_conv_sim.deform_conv2d(input, offset, weight, mask, bias, *geometry)
+    out = torch.ops.deform_conv_sim.deform_conv2d(input, offset, weight, mask, bias, *geometry, border_gradient)
     grad_output = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
     grad_output = grad_output.to(out.dtype)
     grad_input, grad_offset, grad_weight, grad_mask, grad_bias = torch.ops.deform_conv_sim.deform_conv2d_backward(
-        grad_output, input, offset, weight, mask, *geometry, bias is not None)
+        grad_output, input, offset, weight, mask, *geometry, bias is not None, border_gradient)
     grads = [grad_input, grad_offset, grad_weight]
     if bias is not None:
         grads.append(grad_bias)
@@ -88,11 +89,28 @@ GEOMETRIES = {
 
 
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
-@pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no_mask"])
-@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
-def test_matches_the_reference(dtype, geometry, with_mask, with_bias):
+def test_matches_the_reference(dtype, geometry):
+    case = make_case(dtype, **GEOMETRIES[geometry])
+    assert_all_close(simulated(case), output_and_grads(reference, case), dtype)
+
+
+@pytest.mark.parametrize("geometry", ["awkward", "depthwise"])
+@pytest.mark.parametrize("with_mask, with_bias", [(True, False), (False, True), (False, False)],
+                         ids=["no_bias", "no_mask", "neither"])
+def test_without_mask_or_bias(dtype, geometry, with_mask, with_bias):
     case = make_case(dtype, with_mask=with_mask, with_bias=with_bias, **GEOMETRIES[geometry])
     assert_all_close(simulated(case), output_and_grads(reference, case), dtype)
+
+
+@pytest.mark.parametrize("border", ["torchvision", "mmcv"])
+@pytest.mark.parametrize("geometry", ["awkward", "depthwise"])
+def test_border_gradient_conventions(border, geometry):
+    """Zero offsets, stride 1, padding 1: the first row's and column's taps sit exactly at -1, where the two
+    conventions' offset gradients differ (test_border_gradient.py)."""
+    case = make_case(torch.float64, **{**GEOMETRIES[geometry], "stride": (1, 1), "padding": (1, 1),
+                                       "dilation": (1, 1), "kernel": (3, 3)}, offset_scale=0.0)
+    expected = output_and_grads(lambda *a: reference(*a, border_gradient=border), case)
+    assert_all_close(simulated(case, border_gradient=border), expected, torch.float64)
 
 
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -79,3 +84,21 @@ def test_pack_layer_with_dynamic_batch(tmp_path, dynamo):
         x = torch.randn(batch, 6, 13, 11)
         with torch.no_grad():
             torch.testing.assert_close(run_onnxruntime(path, (x,)), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_plain_import_is_enough_for_both_exporters():
+    """No `import deform_conv.onnx`, no custom_translation_table: the function and every module export to the
+    standard DeformConv with dynamic batch and spatial sizes, and onnxruntime agrees at two sizes. A fresh process,
+    since this file itself imports deform_conv.onnx (which registers the TorchScript symbolic at import)."""
+    pytest.importorskip("onnxscript", reason="the dynamo-based exporter needs onnxscript")
+    child = Path(__file__).with_name("onnx_export_child.py")
+    result = subprocess.run([sys.executable, str(child)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULTS "))
+    results = json.loads(line[len("RESULTS "):])
+    assert results.pop("torch.onnx imported by import deform_conv") is False  # the warm import stays short
+    assert len(results) == 12  # 6 models x 2 exporters
+    for key, outcome in results.items():
+        assert "error" not in outcome, f"{key}: {outcome.get('error')}"
+        assert outcome["deform_conv_nodes"] == 1, key
+        assert max(outcome["max_errors"]) < 1e-4, key

@@ -48,11 +48,12 @@ bool write_le_float64(const at::Tensor& t, const char* path) {
 // Looks the op up, runs it on the fixed inputs and writes the output; c10::Error (no such op, a schema that
 // does not match Signature, a failed check in the kernel) propagates to main.
 int run(const char* output_path) {
-  // The signature the dispatcher maps the schema to: Tensor? -> optional<Tensor>, int[2] -> IntArrayRef.
-  // typed<> checks it against the registered schema and throws on a mismatch.
+  // The signature the dispatcher maps the schema to: Tensor? -> optional<Tensor>, int[2] -> IntArrayRef,
+  // str -> string_view (C++ callers pass every argument, defaults included). typed<> checks it against the
+  // registered schema and throws on a mismatch.
   using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                               at::IntArrayRef, at::IntArrayRef, at::IntArrayRef);
+                               at::IntArrayRef, at::IntArrayRef, at::IntArrayRef, c10::string_view);
   auto op = c10::Dispatcher::singleton().findSchemaOrThrow("deform_conv::deform_conv2d", "").typed<Signature>();
 
   // The awkward geometry of the tests: kernel 3x2, stride (2, 1), padding (1, 0), dilation (2, 1),
@@ -71,7 +72,8 @@ int run(const char* output_path) {
   at::Tensor mask = wave({batch, offset_groups * taps, out_h, out_w}, 0.29, 0.7, 0.5, 0.5);  // in [0, 1]
   at::Tensor bias = wave({out_channels}, 1.3, 0.2, 1.0);
 
-  at::Tensor out = op.call(input, offset, weight, mask, bias, stride, padding, dilation);  // [2, 4, 4, 6]
+  // border_gradient: "torchvision" (or "mmcv"); it changes only the backward's derivative at y or x = -1.
+  at::Tensor out = op.call(input, offset, weight, mask, bias, stride, padding, dilation, "torchvision");  // [2, 4, 4, 6]
 
   if (!write_le_float64(out, output_path)) {
     std::cerr << "error: cannot write the output to '" << output_path << "'\n";

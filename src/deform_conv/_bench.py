@@ -407,7 +407,12 @@ GPU_HEADER = (
 
 def gpu_main(out: Optional[Path], min_seconds: float) -> int:
     cases = [dataclasses.replace(c, batch=32) for c in CASES]
-    header = f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}, CUDA {torch.version.cuda}"
+    # float32 means float32 for every implementation: cuDNN would otherwise run conv2d on TF32 (10-bit mantissas),
+    # a different and faster computation than ours and torchvision's.
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    header = (f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}, CUDA {torch.version.cuda}; TF32 off "
+              "(cuDNN and cuBLAS)")
     print(header)
     print(GPU_HEADER)
     lines = run_gpu(cases, min_seconds)

@@ -20,6 +20,15 @@ INT64_MAX = 2**63 - 1
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+# The derivative at exactly y = -1 or x = -1 (csrc/sampling.h): torchvision's one-sided one, or mmcv's 0.
+BORDER_GRADIENTS = ("torchvision", "mmcv")
+
+
+def check_border_gradient(value: object) -> None:
+    if not isinstance(value, str) or value not in BORDER_GRADIENTS:
+        raise ValueError(f"border_gradient must be 'torchvision' or 'mmcv', got {value!r}")
+
+
 class Geometry(NamedTuple):
     """Sizes of one call, derived from the tensors (groups and offset_groups are inferred as in torchvision)."""
 

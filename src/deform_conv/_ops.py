@@ -7,12 +7,13 @@ pure-PyTorch reference.
 
 from __future__ import annotations
 
+import sys
 from typing import List, Optional, Sequence, Set
 
 import torch
 from torch import Tensor
 
-from ._checks import IntPair, check_args
+from ._checks import IntPair, check_args, check_border_gradient
 from ._reference import deform_conv2d_reference
 
 # Device types ("cpu", "cuda") whose compiled kernels are loaded.
@@ -28,6 +29,7 @@ def deform_conv2d(
     padding: IntPair = 0,
     dilation: IntPair = 1,
     mask: Optional[Tensor] = None,
+    border_gradient: str = "torchvision",
 ) -> Tensor:
     """Deformable convolution (DCNv1; DCNv2 when ``mask`` is given), as ``torchvision.ops.deform_conv2d``.
 
@@ -39,6 +41,9 @@ def deform_conv2d(
         bias: ``[C_out]`` or None.
         stride, padding, dilation: an int or a (height, width) pair.
         mask: ``[B, offset_groups * kh * kw, H_out, W_out]`` modulation (DCNv2) or None.
+        border_gradient: the derivative with respect to a sampling point's y and x where it lies exactly at
+            y = -1 or x = -1 (where zero offsets with padding 1 put the border taps): ``"torchvision"``, the
+            one-sided derivative from above (torchvision's), or ``"mmcv"``, 0 (mmcv's). The forward is the same.
 
     All tensors float16, bfloat16, float32 or float64 (one dtype), on one device. A sampling point with a NaN
     coordinate samples NaN; one at +-inf or beyond the image samples 0 (see README, "Non-finite offsets").
@@ -49,16 +54,48 @@ def deform_conv2d(
     """
     # TorchScript compiles only the last call (the C++ op checks its arguments); the tracer (TorchScript-based ONNX
     # export) takes it too, since the Python checks would read traced sizes.
-    if not torch.jit.is_scripting() and not torch.jit.is_tracing():
-        geo = check_args(input, offset, weight, mask, bias, stride, padding, dilation)
-        if input.device.type not in _compiled_devices:
-            return deform_conv2d_reference(input, offset, weight, bias, stride, padding, dilation, mask)
-        return torch.ops.deform_conv.deform_conv2d(
-            input, offset, weight, mask, bias, list(geo.stride), list(geo.padding), list(geo.dilation)
-        )
+    if not torch.jit.is_scripting():
+        # torch.fx's Proxy (symbolic tracing, create_feature_extractor) and tensor subclasses with
+        # __torch_function__: the call is handed to them whole, so a trace records it as one node.
+        if torch.overrides.has_torch_function_variadic(input, offset, weight, bias, mask):
+            return torch.overrides.handle_torch_function(
+                deform_conv2d, (input, offset, weight, bias, mask), input, offset, weight, bias, stride, padding,
+                dilation, mask, border_gradient)
+        if not torch.jit.is_tracing():
+            geo = check_args(input, offset, weight, mask, bias, stride, padding, dilation)
+            check_border_gradient(border_gradient)
+            if _in_onnx_export():
+                symbolic = _onnx_export.deform_conv_symbolic(input, offset, weight, bias, geo, mask)
+                if symbolic is not None:
+                    return symbolic
+            if input.device.type not in _compiled_devices:
+                return deform_conv2d_reference(input, offset, weight, bias, stride, padding, dilation, mask,
+                                               border_gradient)
+            return torch.ops.deform_conv.deform_conv2d(
+                input, offset, weight, mask, bias, list(geo.stride), list(geo.padding), list(geo.dilation),
+                border_gradient)
+        if _in_onnx_export():  # the TorchScript-based exporter: it maps the traced op with our symbolic
+            _onnx_export.register_torchscript_symbolic()
     return torch.ops.deform_conv.deform_conv2d(
-        input, offset, weight, mask, bias, _script_pair(stride), _script_pair(padding), _script_pair(dilation)
-    )
+        input, offset, weight, mask, bias, _script_pair(stride), _script_pair(padding), _script_pair(dilation),
+        border_gradient)
+
+
+@torch.jit.unused
+def _in_onnx_export() -> bool:
+    """Whether torch.onnx.export is running. Never imports torch.onnx (~26 ms): an export has imported it."""
+    onnx = sys.modules.get("torch.onnx")
+    if onnx is None or not onnx.is_in_onnx_export():
+        return False
+    global _onnx_export
+    if _onnx_export is None:
+        from . import onnx as module
+
+        _onnx_export = module
+    return True
+
+
+_onnx_export = None  # deform_conv.onnx, once an export has needed it
 
 
 def _script_pair(value: IntPair) -> List[int]:
@@ -79,8 +116,10 @@ def _deform_conv2d_fake(
     stride: Sequence[int],
     padding: Sequence[int],
     dilation: Sequence[int],
+    border_gradient: str = "torchvision",
 ) -> Tensor:
     geo = check_args(input, offset, weight, mask, bias, tuple(stride), tuple(padding), tuple(dilation))
+    check_border_gradient(border_gradient)
     return input.new_empty((input.shape[0], weight.shape[0], geo.out_h, geo.out_w))
 
 
@@ -94,8 +133,10 @@ def _deform_conv2d_backward_fake(
     padding: Sequence[int],
     dilation: Sequence[int],
     bias_defined: bool,
+    border_gradient: str = "torchvision",
 ):
     geo = check_args(input, offset, weight, mask, None, tuple(stride), tuple(padding), tuple(dilation))
+    check_border_gradient(border_gradient)
     expected = (input.shape[0], weight.shape[0], geo.out_h, geo.out_w)
     if tuple(grad_output.shape) != expected:
         raise ValueError(f"grad_output must have shape {expected}, got {tuple(grad_output.shape)}")
@@ -110,18 +151,19 @@ def _deform_conv2d_backward_fake(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    input, offset, weight, mask, bias, stride, padding, dilation = inputs
+    input, offset, weight, mask, bias, stride, padding, dilation, border_gradient = inputs
     ctx.save_for_backward(input, offset, weight, mask)
     ctx.geometry = (stride, padding, dilation)
     ctx.bias_defined = bias is not None
+    ctx.border_gradient = border_gradient
 
 
 def _backward(ctx, grad_output: Tensor):
     input, offset, weight, mask = ctx.saved_tensors
     grad_input, grad_offset, grad_weight, grad_mask, grad_bias = torch.ops.deform_conv.deform_conv2d_backward(
-        grad_output, input, offset, weight, mask, *ctx.geometry, ctx.bias_defined
+        grad_output, input, offset, weight, mask, *ctx.geometry, ctx.bias_defined, ctx.border_gradient
     )
-    return grad_input, grad_offset, grad_weight, grad_mask, grad_bias, None, None, None
+    return grad_input, grad_offset, grad_weight, grad_mask, grad_bias, None, None, None, None
 
 
 def _no_double_backward(ctx, *grads):
@@ -141,12 +183,12 @@ def _autocast_kernel(device_type: str):
             return t
         return t.to(dtype)
 
-    def kernel(input, offset, weight, mask, bias, stride, padding, dilation):
+    def kernel(input, offset, weight, mask, bias, stride, padding, dilation, border_gradient="torchvision"):
         dtype = torch.get_autocast_dtype(device_type)
         with torch.autocast(device_type, enabled=False):
             return torch.ops.deform_conv.deform_conv2d(
                 cast(input, dtype), cast(offset, dtype), cast(weight, dtype), cast(mask, dtype), cast(bias, dtype),
-                stride, padding, dilation,
+                stride, padding, dilation, border_gradient,
             )
 
     return kernel

@@ -3,7 +3,8 @@
 Differentiable by autograd, so its gradients are the reference for ours. Semantics as in torchvision:
 a sampling point with y <= -1, y >= H, x <= -1 or x >= W gives 0; otherwise each in-image neighbour
 contributes its bilinear weight times its value and out-of-image neighbours contribute nothing. At the
-kinks (integer coordinates, -1 included) the gradient is the one-sided derivative from above.
+kinks (integer coordinates) the gradient is the one-sided derivative from above; at exactly y = -1 or x = -1
+too with ``border_gradient="torchvision"``, while ``"mmcv"`` counts those points as outside (derivative 0).
 
 Non-finite offsets (csrc/sampling.h): a point with a NaN coordinate samples NaN, with NaN derivatives in y and
 x, and reads no pixel; +-inf or huge coordinates are outside (0, derivative 0). The mask multiplies the sample,
@@ -17,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._checks import IntPair, check_args
+from ._checks import IntPair, check_args, check_border_gradient
 
 
 class _NanPoints(torch.autograd.Function):
@@ -37,13 +38,16 @@ class _NanPoints(torch.autograd.Function):
         return derivative, derivative
 
 
-def _bilinear(images: Tensor, y: Tensor, x: Tensor) -> Tensor:
+def _bilinear(images: Tensor, y: Tensor, x: Tensor, border_gradient: str) -> Tensor:
     """Samples ``images`` [B, G, C, H, W] at points y, x [B, G, N] -> [B, G, C, N]."""
     batch, groups, channels, height, width = images.shape
-    # >= -1 rather than > -1: the value at -1 is 0 either way (the in-image neighbours' weights are 0), but
-    # this way the gradient there is the one-sided derivative from above, as in torchvision and our kernels.
+    # The value at -1 is 0 either way (the in-image neighbours' weights are 0). With >= -1 the gradient there is
+    # the one-sided derivative from above (torchvision's); with > -1 the point is outside, derivative 0 (mmcv's).
     y_in, x_in = y, x
-    inside = (y >= -1) & (y < height) & (x >= -1) & (x < width)
+    if border_gradient == "mmcv":
+        inside = (y > -1) & (y < height) & (x > -1) & (x < width)
+    else:
+        inside = (y >= -1) & (y < height) & (x >= -1) & (x < width)
     # Outside (or NaN) points are moved to 0 before the integer conversion; they are masked out below.
     y = torch.where(inside, y, torch.zeros_like(y))
     x = torch.where(inside, x, torch.zeros_like(x))
@@ -72,6 +76,7 @@ def deform_conv2d_reference(
     padding: IntPair = 0,
     dilation: IntPair = 1,
     mask: Optional[Tensor] = None,
+    border_gradient: str = "torchvision",
 ) -> Tensor:
     """Same signature, layout and result as :func:`deform_conv.deform_conv2d`, computed the slow way.
 
@@ -79,6 +84,7 @@ def deform_conv2d_reference(
     mask [B, offset_groups*kh*kw, H_out, W_out] or None, bias [C_out] or None -> [B, C_out, H_out, W_out].
     """
     geo = check_args(input, offset, weight, mask, bias, stride, padding, dilation)
+    check_border_gradient(border_gradient)
     batch, in_channels, height, width = input.shape
     out_channels, in_per_group, kernel_h, kernel_w = weight.shape
     taps, groups, offset_groups = kernel_h * kernel_w, geo.groups, geo.offset_groups
@@ -98,7 +104,7 @@ def deform_conv2d_reference(
     y = (base_y.to(input.dtype) + off[:, :, :, 0]).reshape(batch, offset_groups, taps * pixels)
     x = (base_x.to(input.dtype) + off[:, :, :, 1]).reshape(batch, offset_groups, taps * pixels)
     images = input.reshape(batch, offset_groups, in_channels // offset_groups, height, width)
-    sampled = _bilinear(images, y, x).reshape(batch, offset_groups, in_channels // offset_groups, taps, pixels)
+    sampled = _bilinear(images, y, x, border_gradient).reshape(batch, offset_groups, in_channels // offset_groups, taps, pixels)
     if mask is not None:
         sampled = sampled * mask.reshape(batch, offset_groups, 1, taps, pixels)
 

@@ -1,5 +1,9 @@
 """Modules: ``DeformConv2d`` (torchvision's) and the learned-offset layers ``DeformConv2dPack`` and
-``ModulatedDeformConv2dPack`` (mmcv's constructor arguments, initialisation and state_dict keys)."""
+``ModulatedDeformConv2dPack`` (mmcv's constructor arguments, initialisation, state_dict keys and numbers).
+
+Each follows the library whose name it carries at a sampling point exactly on y = -1 or x = -1, where the two
+differ in the backward (``border_gradient``, see ``deform_conv2d``): ``DeformConv2d`` torchvision's, the Pack
+layers mmcv's; all accept ``border_gradient=`` to choose."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
-from ._checks import IntPair, as_pair
+from ._checks import IntPair, as_pair, check_border_gradient
 from ._ops import deform_conv2d
 
 
@@ -56,9 +60,13 @@ class DeformConv2d(nn.Module):
         dilation: IntPair = 1,
         groups: int = 1,
         bias: bool = True,
+        *,
+        border_gradient: str = "torchvision",
     ) -> None:
         super().__init__()
         _check_channels(in_channels, out_channels, groups)
+        check_border_gradient(border_gradient)
+        self.border_gradient = border_gradient
         self.in_channels = in_channels
         self.out_channels = out_channels
         self.kernel_size: Tuple[int, int] = as_pair(kernel_size, "kernel_size", 1)
@@ -79,13 +87,19 @@ class DeformConv2d(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, input: Tensor, offset: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-        return deform_conv2d(input, offset, self.weight, self.bias, self.stride, self.padding, self.dilation, mask)
+        return deform_conv2d(input, offset, self.weight, self.bias, self.stride, self.padding, self.dilation, mask,
+                             self.border_gradient)
 
     def extra_repr(self) -> str:
         return (
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
             f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, bias={self.bias is not None}"
+            + _border_repr(self.border_gradient, "torchvision")
         )
+
+
+def _border_repr(border_gradient: str, default: str) -> str:
+    return "" if border_gradient == default else f", border_gradient={border_gradient!r}"
 
 
 class _PackBase(nn.Module):
@@ -109,9 +123,12 @@ class _PackBase(nn.Module):
         deform_groups: int,
         bias: bool,
         offset_channels_per_group: int,
+        border_gradient: str,
     ) -> None:
         super().__init__()
         _check_channels(in_channels, out_channels, groups, deform_groups)
+        check_border_gradient(border_gradient)
+        self.border_gradient = border_gradient
         self.in_channels = in_channels
         self.out_channels = out_channels
         self.kernel_size: Tuple[int, int] = as_pair(kernel_size, "kernel_size", 1)
@@ -149,6 +166,7 @@ class _PackBase(nn.Module):
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
             f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, "
             f"deform_groups={self.deform_groups}, bias={self.bias is not None}"
+            + _border_repr(self.border_gradient, "mmcv")
         )
 
 
@@ -174,17 +192,19 @@ class DeformConv2dPack(_PackBase):
         im2col_step: int = 32,
         *,
         deformable_groups: Optional[int] = None,
+        border_gradient: str = "mmcv",
     ) -> None:
         deform_groups = _resolve_deform_groups(deform_groups, deformable_groups)
         super().__init__(
             in_channels, out_channels, kernel_size, stride, padding, dilation, groups, deform_groups, bias,
-            offset_channels_per_group=2,
+            offset_channels_per_group=2, border_gradient=border_gradient,
         )
         self.im2col_step = im2col_step
 
     def forward(self, x: Tensor) -> Tensor:
         offset = self.conv_offset(x)  # [B, 2 * deform_groups * kh * kw, H_out, W_out]
-        return deform_conv2d(x, offset, self.weight, self.bias, self.stride, self.padding, self.dilation)
+        return deform_conv2d(x, offset, self.weight, self.bias, self.stride, self.padding, self.dilation, None,
+                             self.border_gradient)
 
 
 class ModulatedDeformConv2dPack(_PackBase):
@@ -209,11 +229,12 @@ class ModulatedDeformConv2dPack(_PackBase):
         bias: bool = True,
         *,
         deformable_groups: Optional[int] = None,
+        border_gradient: str = "mmcv",
     ) -> None:
         deform_groups = _resolve_deform_groups(deform_groups, deformable_groups)
         super().__init__(
             in_channels, out_channels, kernel_size, stride, padding, dilation, groups, deform_groups, bias,
-            offset_channels_per_group=3,
+            offset_channels_per_group=3, border_gradient=border_gradient,
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -223,5 +244,6 @@ class ModulatedDeformConv2dPack(_PackBase):
         offset_channels = 2 * self.deform_groups * self.kernel_size[0] * self.kernel_size[1]
         offset, mask = out[:, :offset_channels], out[:, offset_channels:]
         return deform_conv2d(
-            x, offset, self.weight, self.bias, self.stride, self.padding, self.dilation, torch.sigmoid(mask)
+            x, offset, self.weight, self.bias, self.stride, self.padding, self.dilation, torch.sigmoid(mask),
+            self.border_gradient,
         )

@@ -1,18 +1,18 @@
-"""ONNX export of ``deform_conv::deform_conv2d`` to the standard ``DeformConv`` operator (opset >= 19), which
-plain onnxruntime runs (no custom domain, no plugin).
+"""ONNX export of ``deform_conv2d`` (the function and every module) to the standard ``DeformConv`` operator
+(opset >= 19), which plain onnxruntime runs (no custom domain, no plugin). Nothing to import or pass: after
+``import deform_conv``, either exporter does it::
 
-With the TorchScript-based exporter, importing this module is enough (it registers the symbolic)::
+    torch.onnx.export(model, args, "model.onnx", opset_version=19)                # dynamo-based (the default)
+    torch.onnx.export(model, args, "model.onnx", opset_version=19, dynamo=False)  # TorchScript-based
 
-    import deform_conv.onnx
-    torch.onnx.export(model, args, "model.onnx", opset_version=19, dynamo=False)
-
-The dynamo-based exporter (the default) takes the translation as an argument (it needs ``onnxscript``)::
-
-    torch.onnx.export(model, args, "model.onnx", opset_version=19,
-                      custom_translation_table=deform_conv.onnx.translation_table())
+During an export ``deform_conv2d`` emits the ONNX node itself: with the dynamo-based exporter through
+``torch.onnx.ops.symbolic`` (torch >= 2.8), with the TorchScript-based one by registering the symbolic below the
+first time it is traced. ``translation_table()`` still works for code that passes it (and is what the
+dynamo-based exporter needs with torch older than 2.8).
 
 ``group`` and ``offset_group`` are attributes in ONNX but follow from tensor shapes here, so the weight's
 shape and the input's and offset's channel counts must be static (batch and spatial sizes may be dynamic).
+The op's ``border_gradient`` only changes the backward, so it is not exported.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def _is_none(value: torch._C.Value) -> bool:
     return value.node().mustBeNone()
 
 
-@symbolic_helper.parse_args("v", "v", "v", "v", "v", "is", "is", "is")
-def _torchscript_symbolic(g, input, offset, weight, mask, bias, stride, padding, dilation):
+@symbolic_helper.parse_args("v", "v", "v", "v", "v", "is", "is", "is", "s")
+def _torchscript_symbolic(g, input, offset, weight, mask, bias, stride, padding, dilation, border_gradient):
     attributes = _attributes(_static_sizes(weight), _static_sizes(input)[1], _static_sizes(offset)[1],
                              stride, padding, dilation)
     inputs = [input, weight, offset]
@@ -82,12 +82,32 @@ def _torchscript_symbolic(g, input, offset, weight, mask, bias, stride, padding,
     return g.op("DeformConv", *inputs, **{f"{name}_i": value for name, value in attributes.items()})
 
 
+_registered = False
+
+
 def register_torchscript_symbolic() -> None:
-    """Lets ``torch.onnx.export(..., dynamo=False)`` map the op to DeformConv (done on importing this module)."""
-    torch.onnx.register_custom_op_symbolic(_OP_NAME, _torchscript_symbolic, OPSET)
+    """Lets ``torch.onnx.export(..., dynamo=False)`` map the op to DeformConv (done on importing this module,
+    and by ``deform_conv2d`` when the exporter traces it)."""
+    global _registered
+    if not _registered:
+        torch.onnx.register_custom_op_symbolic(_OP_NAME, _torchscript_symbolic, OPSET)
+        _registered = True
 
 
 # -- the dynamo-based exporter ----------------------------------------------------------------------------------
+
+def deform_conv_symbolic(input, offset, weight, bias, geo, mask):
+    """The DeformConv node, as ``deform_conv2d`` returns it while the dynamo-based exporter traces the model;
+    None where torch has no ``torch.onnx.ops.symbolic`` (before 2.8: the translation table does it)."""
+    ops = getattr(torch.onnx, "ops", None)
+    if ops is None or not hasattr(ops, "symbolic"):
+        return None
+    attributes = _attributes(list(weight.shape), input.shape[1], offset.shape[1], geo.stride, geo.padding,
+                             geo.dilation)
+    return ops.symbolic(
+        "DeformConv", (input, weight, offset, bias, mask), attributes, dtype=input.dtype,
+        shape=(input.shape[0], weight.shape[0], geo.out_h, geo.out_w), version=OPSET)
+
 
 
 def translation_table() -> Dict[Callable, Callable]:
@@ -95,7 +115,7 @@ def translation_table() -> Dict[Callable, Callable]:
     from onnxscript import opset19 as op
 
     def deform_conv2d(input, offset, weight, mask=None, bias=None, stride=(1, 1), padding=(0, 0),
-                      dilation=(1, 1)):
+                      dilation=(1, 1), border_gradient="torchvision"):
         def channels(value) -> Optional[int]:
             return value.shape[1] if value.shape is not None else None
 

@@ -49,7 +49,10 @@ void check_like_input(const at::Tensor& t, const char* name, const at::Tensor& i
 
 ConvParams make_conv_params(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias,
-                            c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation) {
+                            c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation,
+                            c10::string_view border_gradient) {
+  TORCH_CHECK(border_gradient == "torchvision" || border_gradient == "mmcv",
+              "border_gradient must be 'torchvision' or 'mmcv', got '", border_gradient, "'");
   check_strided(input, "input");
   TORCH_CHECK(input.dim() == 4, "input must be 4-D [batch, channels, height, width], got shape ", input.sizes());
   TORCH_CHECK(weight.dim() == 4, "weight must be 4-D [out_channels, in_channels / groups, kernel_h, kernel_w], got shape ",
@@ -80,6 +83,7 @@ ConvParams make_conv_params(const at::Tensor& input, const at::Tensor& offset, c
   p.dilation_h = dilation[0];
   p.dilation_w = dilation[1];
   p.has_mask = mask.has_value();
+  p.border_gradient = border_gradient == "mmcv" ? BorderGradient::mmcv : BorderGradient::torchvision;
 
   TORCH_CHECK(p.in_channels > 0, "input must have at least 1 channel, got shape ", input.sizes());
   TORCH_CHECK(p.kernel_h > 0 && p.kernel_w > 0, "weight's kernel size must be positive, got ", weight.sizes());

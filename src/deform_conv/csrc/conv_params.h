@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Optional.h>
+#include <c10/util/string_view.h>
 
 #include <cstdint>
 
@@ -18,6 +19,7 @@ struct ConvParams {
   int64_t groups, offset_groups;                // inferred from the weight's and the offset's shapes
   int64_t out_h, out_w;                         // output  [batch, out_channels, out_h, out_w]
   bool has_mask;
+  BorderGradient border_gradient;               // the op's border_gradient attribute
 
   DC_HOST_DEVICE int64_t taps() const { return kernel_h * kernel_w; }
   DC_HOST_DEVICE int64_t out_pixels() const { return out_h * out_w; }
@@ -55,7 +57,8 @@ struct ConvParams {
 // torch.ops calls) and returns the sizes. `grad_output`, when given, must have the output's shape.
 ConvParams make_conv_params(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias,
-                            c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation);
+                            c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation,
+                            c10::string_view border_gradient);
 
 void check_grad_output(const ConvParams& p, const at::Tensor& grad_output, const at::Tensor& input);
 

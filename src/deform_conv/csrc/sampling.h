@@ -1,14 +1,15 @@
 // Bilinear sampling of one point and the derivatives of its weights: the only copy of this math.
 // CPU loops and CUDA kernels both call it (DC_HOST_DEVICE), so the two backends cannot drift apart.
 //
-// Semantics follow torchvision's deform_conv2d (= mmcv = ONNX DeformConv): a point (y, x) with
+// The forward follows torchvision's deform_conv2d (= mmcv = ONNX DeformConv): a point (y, x) with
 // y <= -1, y >= height, x <= -1 or x >= width contributes 0; otherwise each of its four integer
 // neighbours that lies inside the image contributes (bilinear weight) * value, and the neighbours
 // outside contribute exactly 0 (they are left out, not multiplied by 0).
 //
 // The interpolant has kinks at integer coordinates; there the derivatives are the one-sided ones from
-// above, as torchvision's. That holds at y = -1 and x = -1 too: the value there is 0, but moving the point
-// inwards brings row (column) 0 in, so the gradient is not 0. This matters in practice: zero offsets with
+// above. At y = -1 and x = -1 the two libraries differ (BorderGradient): the value there is 0, but moving the
+// point inwards brings row (column) 0 in, so torchvision's derivative (one-sided from above) is not 0, while
+// mmcv counts y <= -1 as outside and gives 0 for both coordinates. This matters in practice: zero offsets with
 // padding 1 (a freshly initialised layer) put the border taps exactly at -1.
 //
 // Non-finite coordinates (offsets are predicted by a network and may be NaN or infinite):
@@ -28,6 +29,9 @@
 
 namespace deform_conv {
 
+// The derivative with respect to y and x of a point at exactly y = -1 or x = -1 (see above).
+enum class BorderGradient : int { torchvision = 0, mmcv = 1 };
+
 DC_HOST_DEVICE inline float floor_of(float v) { return floorf(v); }
 DC_HOST_DEVICE inline double floor_of(double v) { return floor(v); }
 
@@ -44,6 +48,9 @@ struct BilinearPoint {
   bool top = false, bottom = false, left = false, right = false;  // which rows and columns lie in the image
 
   DC_HOST_DEVICE bool valid(int q) const { return (q < 2 ? top : bottom) && ((q & 1) ? right : left); }
+  DC_HOST_DEVICE bool on_lower_border() const {  // y == -1 or x == -1 exactly
+    return (y0 == -1 && ly == T(0)) || (x0 == -1 && lx == T(0));
+  }
   DC_HOST_DEVICE index_t pixel(int q, index_t width) const {  // y * width + x of corner q
     return (y0 + (q >> 1)) * width + x0 + (q & 1);
   }
@@ -89,6 +96,7 @@ DC_HOST_DEVICE inline BilinearPoint<T, index_t> bilinear_point(T y, T x, index_t
 template <typename T>
 struct BilinearSample {
   bool nan = false;       // the coordinate is NaN (then count is 0)
+  bool on_lower_border = false;  // y == -1 or x == -1 exactly
   int count = 0;          // neighbours inside the image, 0..4
   int64_t pixel[4];       // y * width + x of each neighbour
   T weight[4];            // its bilinear weight
@@ -101,6 +109,7 @@ DC_HOST_DEVICE inline BilinearSample<T> bilinear_sample(T y, T x, int64_t height
   const BilinearPoint<T, int64_t> b = bilinear_point(y, x, height, width);
   BilinearSample<T> s;
   s.nan = b.nan;
+  s.on_lower_border = b.inside && b.on_lower_border();
   for (int q = 0; q < 4; ++q) {
     if (!b.valid(q)) continue;
     s.pixel[s.count] = b.pixel(q, width);
@@ -130,13 +139,15 @@ template <typename T>
 DC_HOST_DEVICE inline T coordinate_grad(bool outside, T m, T grad) {
   return outside ? T(0) : m * grad;
 }
+// With BorderGradient::mmcv a point at exactly y = -1 or x = -1 counts as outside too.
 template <typename T>
-DC_HOST_DEVICE inline T coordinate_grad(const BilinearSample<T>& s, T m, T grad) {
-  return coordinate_grad(s.count == 0 && !s.nan, m, grad);
+DC_HOST_DEVICE inline T coordinate_grad(const BilinearSample<T>& s, T m, T grad, BorderGradient border) {
+  return coordinate_grad((s.count == 0 && !s.nan) || (border == BorderGradient::mmcv && s.on_lower_border), m, grad);
 }
 template <typename T, typename index_t>
-DC_HOST_DEVICE inline T coordinate_grad(const BilinearPoint<T, index_t>& b, T m, T grad) {
-  return coordinate_grad(!b.inside && !b.nan, m, grad);
+DC_HOST_DEVICE inline T coordinate_grad(const BilinearPoint<T, index_t>& b, T m, T grad, BorderGradient border) {
+  return coordinate_grad((!b.inside && !b.nan) || (border == BorderGradient::mmcv && b.inside && b.on_lower_border()),
+                         m, grad);
 }
 
 }  // namespace deform_conv

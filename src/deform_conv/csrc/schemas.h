@@ -7,15 +7,17 @@ namespace deform_conv {
 // input [B, C_in, H, W], offset [B, 2*offset_groups*kh*kw, H_out, W_out], weight [C_out, C_in/groups, kh, kw],
 // mask [B, offset_groups*kh*kw, H_out, W_out], bias [C_out] -> output [B, C_out, H_out, W_out].
 // groups and offset_groups are inferred from the weight's and the offset's shapes, as in torchvision.
+// border_gradient ("torchvision" or "mmcv"): the derivative at exactly y = -1 or x = -1 (sampling.h); the forward
+// is the same under both, and the op carries it for its backward.
 constexpr const char* kDeformConv2dSchema =
     "deform_conv2d(Tensor input, Tensor offset, Tensor weight, Tensor? mask, Tensor? bias, "
-    "int[2] stride, int[2] padding, int[2] dilation) -> Tensor";
+    "int[2] stride, int[2] padding, int[2] dilation, str border_gradient=\"torchvision\") -> Tensor";
 
 // The gradients of deform_conv2d with respect to input, offset, weight, mask (None without a mask) and bias
 // (None unless bias_defined). An op of its own so that compile/export can trace the backward.
 constexpr const char* kDeformConv2dBackwardSchema =
     "deform_conv2d_backward(Tensor grad_output, Tensor input, Tensor offset, Tensor weight, Tensor? mask, "
-    "int[2] stride, int[2] padding, int[2] dilation, bool bias_defined) "
+    "int[2] stride, int[2] padding, int[2] dilation, bool bias_defined, str border_gradient=\"torchvision\") "
     "-> (Tensor grad_input, Tensor grad_offset, Tensor grad_weight, Tensor? grad_mask, Tensor? grad_bias)";
 
 }  // namespace deform_conv

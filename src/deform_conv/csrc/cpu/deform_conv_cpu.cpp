@@ -81,12 +81,13 @@ void follow_torch_thread_count() {
 
 at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
                    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
-                   at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation) {
+                   at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
+                   c10::string_view border_gradient) {
   follow_torch_thread_count();
-  const ConvParams p = make_conv_params(input, offset, weight, mask, bias, stride, padding, dilation);
+  const ConvParams p = make_conv_params(input, offset, weight, mask, bias, stride, padding, dilation, border_gradient);
   if (is_half_type(input)) {
     return forward(widened(input), widened(offset), widened(weight), widened(mask), widened(bias), stride, padding,
-                   dilation)
+                   dilation, border_gradient)
         .to(input.scalar_type());
   }
   if (p.is_depthwise()) return depthwise_forward(p, input, offset, weight, mask, bias);
@@ -97,14 +98,14 @@ at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
     const std::optional<at::Tensor>& mask, at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
-    bool bias_defined) {
+    bool bias_defined, c10::string_view border_gradient) {
   follow_torch_thread_count();
-  const ConvParams p = make_conv_params(input, offset, weight, mask, std::nullopt, stride, padding, dilation);
+  const ConvParams p = make_conv_params(input, offset, weight, mask, std::nullopt, stride, padding, dilation, border_gradient);
   check_grad_output(p, grad_output, input);
   if (is_half_type(input)) {
     const at::ScalarType dtype = input.scalar_type();
     auto [gi, go, gw, gm, gb] = backward(widened(grad_output), widened(input), widened(offset), widened(weight),
-                                         widened(mask), stride, padding, dilation, bias_defined);
+                                         widened(mask), stride, padding, dilation, bias_defined, border_gradient);
     return {gi.to(dtype), go.to(dtype), gw.to(dtype), narrowed(gm, dtype), narrowed(gb, dtype)};
   }
   if (p.is_depthwise()) return depthwise_backward(p, grad_output, input, offset, weight, mask, bias_defined);

@@ -88,8 +88,8 @@ DC_CPU_DISPATCH void coordinate_and_weight_grads(const ConvParams& p, const Samp
             grad_x += s.weight_dx[q] * dot[q];
           }
           const int64_t at = points.offset_index(group, tap);
-          grad_offset[at] = coordinate_grad(s, m, grad_y);
-          grad_offset[at + pixels] = coordinate_grad(s, m, grad_x);
+          grad_offset[at] = coordinate_grad(s, m, grad_y, p.border_gradient);
+          grad_offset[at + pixels] = coordinate_grad(s, m, grad_x, p.border_gradient);
           if (grad_mask != nullptr) grad_mask[points.mask_index(group, tap)] = grad_value;
         }
       }

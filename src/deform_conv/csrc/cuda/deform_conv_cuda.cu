@@ -343,8 +343,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
 
 at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
                    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
-                   at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation) {
-  const ConvParams p = make_conv_params(input, offset, weight, mask, bias, stride, padding, dilation);
+                   at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
+                   c10::string_view border_gradient) {
+  const ConvParams p = make_conv_params(input, offset, weight, mask, bias, stride, padding, dilation, border_gradient);
   const DeviceGuard guard(input.device());
   if (p.is_depthwise()) return depthwise_forward(p, input, offset, weight, mask, bias);
   return forward_with(passes(), p, input, offset, weight, mask, bias);
@@ -353,8 +354,8 @@ at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
     const std::optional<at::Tensor>& mask, at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
-    bool bias_defined) {
-  const ConvParams p = make_conv_params(input, offset, weight, mask, std::nullopt, stride, padding, dilation);
+    bool bias_defined, c10::string_view border_gradient) {
+  const ConvParams p = make_conv_params(input, offset, weight, mask, std::nullopt, stride, padding, dilation, border_gradient);
   check_grad_output(p, grad_output, input);
   const DeviceGuard guard(input.device());
   if (p.is_depthwise()) return depthwise_backward(p, grad_output, input, offset, weight, mask, bias_defined);

@@ -22,13 +22,14 @@ struct Geometry {
   index_t in_channels, height, width, image_pixels, kernel_w, taps, out_w, out_pixels;
   index_t stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w;
   index_t groups, offset_groups, per_offset_group, per_group;
+  BorderGradient border_gradient;
 
   explicit Geometry(const ConvParams& p)
       : in_channels(p.in_channels), height(p.height), width(p.width), image_pixels(p.height * p.width),
         kernel_w(p.kernel_w), taps(p.taps()), out_w(p.out_w), out_pixels(p.out_pixels()), stride_h(p.stride_h),
         stride_w(p.stride_w), pad_h(p.pad_h), pad_w(p.pad_w), dilation_h(p.dilation_h), dilation_w(p.dilation_w),
         groups(p.groups), offset_groups(p.offset_groups), per_offset_group(p.channels_per_offset_group()),
-        per_group(p.in_channels_per_group()) {}
+        per_group(p.in_channels_per_group()), border_gradient(p.border_gradient) {}
 
   // = ConvParams::offset_index and mask_index.
   DC_HOST_DEVICE index_t offset_index(index_t n, index_t group, index_t tap, index_t pixel) const {

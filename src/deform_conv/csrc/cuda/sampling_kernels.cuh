@@ -123,8 +123,8 @@ DC_KERNEL void coordinate_grads_kernel(Geometry<index_t> g, Split split, const s
     if (active && lane == 0) {
       if (mask != nullptr) grad_mask[g.mask_index(s.n, s.group, s.tap, s.pixel)] = static_cast<scalar_t>(grad_value);
       scalar_t* g_dy = grad_offset + g.offset_index(s.n, s.group, s.tap, s.pixel);
-      g_dy[0] = static_cast<scalar_t>(coordinate_grad(s.b, s.mask, grad_y));
-      g_dy[g.out_pixels] = static_cast<scalar_t>(coordinate_grad(s.b, s.mask, grad_x));
+      g_dy[0] = static_cast<scalar_t>(coordinate_grad(s.b, s.mask, grad_y, g.border_gradient));
+      g_dy[g.out_pixels] = static_cast<scalar_t>(coordinate_grad(s.b, s.mask, grad_x, g.border_gradient));
     }
   }
 }

@@ -129,7 +129,8 @@ void resume(Block& block, int index) {
 #endif
   swapcontext(&block.scheduler, &fiber.context);
 #ifdef DC_SIM_ASAN
-  __sanitizer_finish_switch_fiber(fake_stack, &block.scheduler_stack_bottom, &block.scheduler_stack_size);
+  // (The stack we come back from is the fiber's: the scheduler's own bounds were recorded when a fiber started.)
+  __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
 #endif
   current_thread = nullptr;
   block.running = -1;
