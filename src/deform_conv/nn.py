@@ -13,7 +13,6 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.utils import _pair
 
 from ._checks import IntPair, as_pair, check_border_gradient
 from ._ops import deform_conv2d
