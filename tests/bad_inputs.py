@@ -49,6 +49,7 @@ CALLS = {
     "padding three": lambda c: dict(padding=(1, 1, 1)),
     "dilation zero": lambda c: dict(dilation=0),
     "output empty": lambda c: dict(input=c.input[:, :, :2, :]),
+    "border_gradient unknown": lambda c: dict(border_gradient="mmdet"),
 }
 
 # Module constructors: keyword arguments over (in_channels=6, out_channels=6, kernel_size=3).
@@ -58,4 +59,5 @@ MODULES = {
     "DeformConv2d channels": ("DeformConv2d", dict(in_channels=0)),
     "DeformConv2dPack deform_groups": ("DeformConv2dPack", dict(deform_groups=4)),
     "ModulatedDeformConv2dPack kernel_size": ("ModulatedDeformConv2dPack", dict(kernel_size=0)),
+    "DeformConv2dPack border_gradient": ("DeformConv2dPack", dict(border_gradient="torchvison")),
 }

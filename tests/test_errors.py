@@ -73,7 +73,8 @@ def direct_call(case, **changes):
                 padding=case.padding, dilation=case.dilation, mask=case.mask)
     args.update(changes)
     return torch.ops.deform_conv.deform_conv2d(args["input"], args["offset"], args["weight"], args["mask"],
-                                               args["bias"], args["stride"], args["padding"], args["dilation"])
+                                               args["bias"], args["stride"], args["padding"], args["dilation"],
+                                               args.get("border_gradient", "torchvision"))
 
 
 @pytest.mark.parametrize("row", sorted(CALL_ROWS))
