@@ -61,6 +61,7 @@ if not _invoked_as_command_line():
 from ._ops import deform_conv2d  # noqa: E402
 from ._reference import deform_conv2d_reference  # noqa: E402
 from .nn import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack  # noqa: E402
+from .compat import convert_modules  # noqa: E402
 
 __all__ = [
     "BuildError",
@@ -70,6 +71,7 @@ __all__ = [
     "ModulatedDeformConv2dPack",
     "__version__",
     "cache_root",
+    "convert_modules",
     "deform_conv2d",
     "deform_conv2d_reference",
     "libraries",
