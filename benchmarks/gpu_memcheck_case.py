@@ -1,7 +1,10 @@
 """A small forward+backward for compute-sanitizer: in-image, border, far-outside and non-finite sampling points,
-with a mask, in fp32 and bf16. Run by benchmarks/gpu_check.sh on the GPU (`python gpu_memcheck_case.py`), and on
+with a mask, in fp32 and bf16, on the GEMM path and the depthwise path, in the default mode and the deterministic
+one. Run by benchmarks/gpu_check.sh on the GPU (`python gpu_memcheck_case.py`), and on
 the CPU by the tests (`python gpu_memcheck_case.py cpu`) so that it cannot rot."""
 
+import itertools
+import os
 import sys
 
 import torch
@@ -10,10 +13,14 @@ import deform_conv
 
 device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 torch.manual_seed(0)
-for dtype in (torch.float32, torch.bfloat16):
-    # Input 11x8, kernel 3x2, stride (2, 1), padding (1, 0), dilation (2, 1): output 5x7, 3 offset groups.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # torch's deterministic mode asks for it
+for dtype, out_channels, deterministic in itertools.product((torch.float32, torch.bfloat16), (4, 6), (False, True)):
+    torch.use_deterministic_algorithms(deterministic)
+    # Input 11x8, kernel 3x2, stride (2, 1), padding (1, 0), dilation (2, 1): output 5x7, 3 offset groups; weight
+    # groups 2 (the GEMM path) or 6 (6 output channels: the depthwise path).
+    groups = 6 if out_channels == 6 else 2
     x = torch.randn(2, 6, 11, 8, device=device, dtype=dtype, requires_grad=True)
-    weight = torch.randn(4, 3, 3, 2, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.randn(out_channels, 6 // groups, 3, 2, device=device, dtype=dtype, requires_grad=True)
     offset = 3 * torch.randn(2, 2 * 3 * 6, 5, 7, device=device, dtype=dtype)
     offset[0, 0, 0, 0] = float("nan")
     offset[0, 1, 0, 1] = float("inf")
@@ -26,7 +33,7 @@ for dtype in (torch.float32, torch.bfloat16):
     mask[1, 0, 0, 0] = float("inf")
     mask.requires_grad_()
     out = deform_conv.deform_conv2d(x, offset, weight, None, (2, 1), (1, 0), (2, 1), mask)
-    assert out.shape == (2, 4, 5, 7), out.shape
+    assert out.shape == (2, out_channels, 5, 7), out.shape
     out.float().square().sum().backward()
 if device == "cuda":
     torch.cuda.synchronize()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torchvision
@@ -30,6 +32,15 @@ def to_cuda(case):
 
 def on_cpu(results):
     return [r.cpu() for r in results]
+
+
+@pytest.mark.parametrize("geometry", [dict(), dict(in_channels=6, out_channels=6, groups=6, offset_groups=3),
+                                      dict(in_channels=32, out_channels=32, groups=32, offset_groups=2, size=(7, 9))],
+                         ids=["awkward", "depthwise", "depthwise_wide"])
+def test_depthwise_and_gemm_paths_match_the_cpu(dtype, geometry):
+    case = make_case(dtype, **geometry)
+    cpu = output_and_grads(ours, case)
+    assert_all_close(on_cpu(output_and_grads(ours, to_cuda(case))), cpu, dtype)
 
 
 @pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no_mask"])
@@ -128,11 +139,15 @@ def test_non_finite_offsets_and_masks_match_the_cpu(dtype):
     assert_all_close_nonfinite(on_cpu(output_and_grads(ours, to_cuda(case))), cpu, dtype, same_nan=False)
 
 
-def test_deterministic_backward_is_bitwise_reproducible():
+@pytest.mark.parametrize("groups", [1, 16], ids=["gemm", "depthwise"])
+def test_deterministic_backward_is_bitwise_reproducible(monkeypatch, groups):
     """Under torch.use_deterministic_algorithms(True) the input gradient is gathered in a fixed order instead of
     summed with atomics: two runs give the same bits (and the same values as the default mode, to rounding)."""
-    case = to_cuda(make_case(torch.float32, batch=4, in_channels=16, out_channels=8, size=(24, 20), kernel=(3, 3),
-                             stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=1, offset_groups=2,
+    # torch refuses cuBLAS GEMMs in that mode without a fixed workspace configuration.
+    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    case = to_cuda(make_case(torch.float32, batch=4, in_channels=16, out_channels=16, size=(24, 20), kernel=(3, 3),
+                             stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=groups, offset_groups=2,
                              offset_scale=1.0))
     default = output_and_grads(ours, case)
     torch.use_deterministic_algorithms(True)
@@ -156,3 +171,14 @@ def test_input_past_2_to_the_31_elements_forward_and_backward():
     corner = x.grad[0, 0, -2:, -2:].cpu()
     torch.testing.assert_close(corner, torch.tensor([[0.375, 0.125], [0.375, 0.125]]), rtol=0, atol=0)
     assert x.grad.sum().item() == 1.0
+
+
+def test_the_loaded_cuda_library_has_no_local_memory():
+    """ptxas' report in the build log of the library this process loaded (built for this GPU's arch)."""
+    from test_cuda_build import check_no_local_memory
+
+    (library,) = [lib for lib in deform_conv.libraries if lib.variant.kind == "cuda"]
+    log = library.entry / "build.log"
+    if not log.is_file():
+        pytest.skip(f"{library.entry} has no build.log (a bundled library)")
+    check_no_local_memory(log.read_text())

@@ -43,15 +43,15 @@ def test_cuda_library_compiles_for_sm90(tmp_path):
 
 
 KERNELS = ("fill_columns_kernel", "coordinate_grads_kernel", "input_grad_atomic_kernel", "entry_keys_kernel",
-           "input_grad_gather_kernel")
+           "input_grad_gather_kernel", "depthwise_forward_kernel", "depthwise_weight_partials_kernel")
 
 
 def check_no_local_memory(log: str) -> None:
     """ptxas -v (NVCC_FLAGS) prints, for each function it compiles, "Compiling entry function '<mangled>'" and
     then "<n> bytes stack frame, <n> bytes spill stores, <n> bytes spill loads"."""
-    entries = re.findall(r"Compiling entry function '(\w+)' for 'sm_90'", log)
+    entries = re.findall(r"Compiling entry function '(\w+)' for 'sm_\w+'", log)
     for kernel in KERNELS:
-        assert any(kernel in name for name in entries), f"ptxas compiled no {kernel} for sm_90"
+        assert any(kernel in name for name in entries), f"ptxas compiled no {kernel}"
     usage = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(usage) >= len(entries), "ptxas did not report every kernel's stack frame"
     offending = [line for line in log.splitlines()

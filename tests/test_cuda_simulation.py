@@ -71,8 +71,8 @@ GEOMETRIES = {
     # kernel 3x2, stride (2, 1), padding (1, 0), dilation (2, 1); 6 channels in 2 weight groups and 3 offset
     # groups that do not nest; 2 channels a point: 2 lanes, scalar loads (and for fp64, weight groups of 3).
     "awkward": dict(),
-    # one offset group spanning both weight groups; 16 channels a point: wide vectors in every dtype.
-    "wide_vectors": dict(in_channels=32, out_channels=6, groups=2, offset_groups=2, size=(9, 7)),
+    # one offset group of 32 channels spanning both weight groups (16 channels each): wide vectors in every dtype.
+    "wide_vectors": dict(in_channels=32, out_channels=6, groups=2, offset_groups=1, size=(9, 7)),
     # offset groups of one channel each: one thread a point.
     "one_channel_per_point": dict(in_channels=5, out_channels=3, groups=1, offset_groups=5, kernel=(2, 2)),
     # 96 channels in one offset group: a full warp a point, several vectors a lane; one GEMM a chunk.
@@ -256,6 +256,96 @@ def test_shuffled_blocks_change_the_order_of_the_atomic_sums():
         torch.testing.assert_close(other, first, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_grid_stride_loops(geometry, deterministic):
+    """One or two blocks a launch: every kernel's grid-stride loop runs many times (on a GPU the grid covers the
+    work in one pass unless it is larger than 2^28 threads)."""
+    case = make_case(torch.float64, **GEOMETRIES[geometry])
+    expected = output_and_grads(reference, case)
+    for max_blocks in (1, 2):
+        testing.load_cuda_simulation(max_blocks=max_blocks)
+        try:
+            with deterministic_algorithms(deterministic):
+                results = simulated(case)
+        finally:
+            testing.load_cuda_simulation()
+        assert_all_close(results, expected, torch.float64)
+
+
+def test_gather_runs_inside_a_chunk():
+    """A budget of two images' columns but less than one image's keys: the deterministic gather splits each chunk
+    of two images into runs of one, the second starting one image into the chunk's columns."""
+    case = make_case(torch.float64, batch=5, **GEOMETRIES["one_channel_per_point"])
+    _, channels, height, width = case.input.shape
+    _, _, out_h, out_w = case.offset.shape
+    taps, offset_groups = 4, 5
+    columns_per_image = out_h * out_w * taps * channels * 8
+    keys_per_image = 4 * out_h * out_w * offset_groups * taps * 48 + offset_groups * height * width * 16
+    assert keys_per_image > 2 * columns_per_image  # so the run is one image while the chunk is two
+    testing.load_cuda_simulation(budget_bytes=2 * columns_per_image)
+    try:
+        with deterministic_algorithms(True):
+            results = simulated(case)
+    finally:
+        testing.load_cuda_simulation()
+    assert_all_close(results, output_and_grads(reference, case), torch.float64)
+
+
+@pytest.mark.parametrize("geometry", ["awkward", "depthwise", "wide_vectors"])
+def test_deterministic_backward_on_the_64_bit_path(geometry):
+    case = make_case(torch.float64, **GEOMETRIES[geometry])
+    testing.load_cuda_simulation(int32_limit=1)
+    try:
+        with deterministic_algorithms(True):
+            results = simulated(case)
+    finally:
+        testing.load_cuda_simulation()
+    assert_all_close(results, output_and_grads(reference, case), torch.float64)
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("geometry", ["wide_vectors", "depthwise_wide"])
+def test_half_types_deterministic_bits_in_any_block_order(half, geometry):
+    case = make_case(torch.float64, offset_scale=1.0, **GEOMETRIES[geometry])
+    halves = [t.to(half) for t in case.tensors()]
+    runs = []
+    try:
+        for seed in (1, 2):
+            testing.load_cuda_simulation(shuffle_blocks=True, seed=seed)
+            with deterministic_algorithms(True):
+                runs.append(simulated(case, halves))
+    finally:
+        testing.load_cuda_simulation()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def channels_last_at_an_odd_address(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a channels-last tensor whose data starts one element past an aligned address: the kernels
+    must fall back from 16-byte vectors."""
+    b, c, h, w = t.shape
+    storage = torch.empty(1 + t.numel(), dtype=t.dtype)
+    shifted = storage[1:].view(b, h, w, c).permute(0, 3, 1, 2)
+    shifted.copy_(t)
+    assert shifted.is_contiguous(memory_format=torch.channels_last) and shifted.data_ptr() % 16 != 0
+    return shifted
+
+
+@pytest.mark.parametrize("geometry", ["wide_vectors", "depthwise_wide"])
+def test_misaligned_input_takes_scalar_loads(geometry):
+    case = make_case(torch.float32, **GEOMETRIES[geometry])
+    tensors = case.tensors()
+    tensors[0] = channels_last_at_an_odd_address(tensors[0])
+    assert_all_close(simulated(case, tensors), output_and_grads(reference, case), torch.float32)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_max_blocks_is_checked(value):
+    with pytest.raises(ValueError, match=r"max_blocks must be a positive int or None, got"):
+        testing.load_cuda_simulation(max_blocks=value)
+
+
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])
 def test_budget_bytes_is_checked(value):
     with pytest.raises(ValueError, match=r"budget_bytes must be a positive int or None, got"):
@@ -284,4 +374,3 @@ def test_the_simulation_is_not_loaded_by_a_plain_import():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "not loaded"
-    assert "cuda_simulation" not in {lib.variant.kind for lib in deform_conv.libraries}

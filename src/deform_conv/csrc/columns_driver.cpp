@@ -90,49 +90,67 @@ void backward_gemms_with_aten(const ConvParams& p, const at::Tensor& grad_output
 }
 
 
-// The forward's GEMMs of one chunk as plain batched GEMMs (cuBLAS): per weight group, one GEMM over the chunk's
-// images, [C_out/G, taps * C_in/G] x [taps * C_in/G, H_out*W_out] for each image (the weight broadcast, not
-// copied), straight into the output, with the bias as the GEMM's addend (beta = 1) rather than a pass of its own.
-// groups == 1: one GEMM a chunk.
+// A batched product where sum may be float while a and b are half or bfloat16, as add_product.
+void add_batched_product(at::Tensor sum, const at::Tensor& a, const at::Tensor& b) {
+  if (sum.scalar_type() == a.scalar_type()) {
+    sum.baddbmm_(a, b);
+    return;
+  }
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  if (sum.is_cuda()) {
+    sum.add_(at::bmm(a, b, sum.scalar_type()));
+    return;
+  }
+#endif
+  sum.baddbmm_(a.to(sum.scalar_type()), b.to(sum.scalar_type()));
+}
+
+// The forward's GEMMs of one chunk as batched GEMMs (cuBLAS), straight into the output: for image n and weight
+// group g, [C_out/G, taps * C_in/G] x [taps * C_in/G, H_out*W_out]. Batched over the chunk's images (the weight
+// broadcast, not copied) with one call per group, or over the groups with one call per image, whichever makes
+// fewer calls: groups == 1 is one GEMM a chunk. The bias is the GEMM's addend (beta = 1; ATen writes it into the
+// output first).
 void chunk_gemms_forward(const ConvParams& p, const at::Tensor& chunk_columns, const at::Tensor& weight_1x1,
                          const std::optional<at::Tensor>& bias, at::Tensor output) {
   const int64_t images = chunk_columns.size(0), per_group = p.taps() * p.in_channels_per_group();
-  const int64_t out_per_group = p.out_channels_per_group();
-  const at::Tensor columns = chunk_columns.permute({0, 2, 3, 1}).view({images, p.out_pixels(), p.groups, per_group});
+  const int64_t out_per_group = p.out_channels_per_group(), pixels = p.out_pixels();
+  const at::Tensor columns = chunk_columns.permute({0, 2, 3, 1}).view({images, pixels, p.groups, per_group});
   const at::Tensor weights = weight_1x1.view({p.groups, out_per_group, per_group});
-  at::Tensor out = output.view({images, p.groups, out_per_group, p.out_pixels()});
-  for (int64_t g = 0; g < p.groups; ++g) {
-    const at::Tensor a = weights[g].expand({images, out_per_group, per_group});
-    const at::Tensor b = columns.select(2, g).transpose(1, 2);  // [images, taps * C_in/G, H_out*W_out]
-    at::Tensor out_g = out.select(1, g);                         // [images, C_out/G, H_out*W_out]
-    if (bias.has_value()) {
-      const at::Tensor addend = bias->narrow(0, g * out_per_group, out_per_group).view({1, out_per_group, 1});
-      at::baddbmm_out(out_g, addend.expand({images, out_per_group, p.out_pixels()}), a, b);
+  at::Tensor out = output.view({images, p.groups, out_per_group, pixels});
+  const at::Tensor addend = bias.has_value() ? bias->view({p.groups, out_per_group, 1}) : at::Tensor();
+  auto gemm = [&](at::Tensor result, const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias_part) {
+    if (bias_part.defined()) {
+      at::baddbmm_out(result, bias_part.expand(result.sizes()), a, b);
     } else {
-      at::bmm_out(out_g, a, b);
+      at::bmm_out(result, a, b);
+    }
+  };
+  if (p.groups <= images) {
+    for (int64_t g = 0; g < p.groups; ++g) {  // [images, C_out/G, pixels] = [C_out/G, K/G] x [images, K/G, pixels]
+      gemm(out.select(1, g), weights[g].expand({images, out_per_group, per_group}),
+           columns.select(2, g).transpose(1, 2), addend.defined() ? addend[g].unsqueeze(0) : at::Tensor());
+    }
+  } else {
+    for (int64_t n = 0; n < images; ++n) {  // [G, C_out/G, pixels] = [G, C_out/G, K/G] x [G, K/G, pixels]
+      gemm(out[n], weights, columns[n].permute({1, 2, 0}), addend);
     }
   }
 }
 
-// The backward's GEMMs of one chunk as plain GEMMs (cuBLAS), one pair per weight group: the chunk's images and
-// output pixels together are one dimension of length images * H_out*W_out, since the columns
-// [images * H_out*W_out, groups * taps * C_in/G] and grad_output read channels-last, `grad_rows`
-// [images * H_out*W_out, C_out], are plain matrices. The weight's gradient [C_out/G, taps * C_in/G] +=
-// grad_rows_g^T x columns_g, then the columns' gradient overwrites them, columns_g = grad_rows_g x weight_g.
-// groups == 1: two GEMMs a chunk.
+// The backward's GEMMs of one chunk as one batched GEMM over the weight groups each (cuBLAS): the chunk's images
+// and output pixels together are one dimension of length M = images * H_out*W_out, since the columns
+// [M, groups * taps * C_in/G] and grad_output read channels-last, `grad_rows` [M, C_out], are plain matrices.
+// The weight's gradient [G, C_out/G, taps * C_in/G] += grad_rows_g^T x columns_g, then the columns' gradient
+// overwrites them, columns_g = grad_rows_g x weight_g. groups == 1: two GEMMs a chunk.
 void chunk_gemms_backward(const ConvParams& p, const at::Tensor& grad_rows, const at::Tensor& weight_matrix,
                           at::Tensor& chunk_columns, at::Tensor& grad_weights) {
   const int64_t images = chunk_columns.size(0), per_group = p.taps() * p.in_channels_per_group();
-  const int64_t out_per_group = p.out_channels_per_group();
-  at::Tensor columns = chunk_columns.permute({0, 2, 3, 1}).view({images * p.out_pixels(), p.groups * per_group});
-  for (int64_t g = 0; g < p.groups; ++g) {
-    const at::Tensor grad_g = grad_rows.narrow(1, g * out_per_group, out_per_group);
-    at::Tensor columns_g = columns.narrow(1, g * per_group, per_group);
-    add_product(grad_weights.view({p.out_channels, -1}).narrow(0, g * out_per_group, out_per_group), grad_g.t(),
-                columns_g);
-    // Half types: cuBLAS multiplies on the tensor cores and accumulates in float, then rounds once.
-    at::mm_out(columns_g, grad_g, weight_matrix.narrow(0, g * out_per_group, out_per_group));
-  }
+  const int64_t out_per_group = p.out_channels_per_group(), rows = images * p.out_pixels();
+  at::Tensor columns = chunk_columns.permute({0, 2, 3, 1}).view({rows, p.groups, per_group}).permute({1, 0, 2});
+  const at::Tensor grad = grad_rows.view({rows, p.groups, out_per_group}).permute({1, 0, 2});  // [G, M, C_out/G]
+  add_batched_product(grad_weights.view({p.groups, out_per_group, per_group}), grad.transpose(1, 2), columns);
+  // Half types: cuBLAS multiplies on the tensor cores and accumulates in float, then rounds once.
+  at::bmm_out(columns, grad, weight_matrix.view({p.groups, out_per_group, per_group}));
 }
 }  // namespace
 

@@ -36,17 +36,19 @@ class SimulationStatistics(NamedTuple):
 
 
 def load_cuda_simulation(int32_limit: Optional[int] = None, shuffle_blocks: bool = False, seed: int = 0,
-                         budget_bytes: Optional[int] = None) -> _loader.LoadedLibrary:
+                         budget_bytes: Optional[int] = None, max_blocks: Optional[int] = None) -> _loader.LoadedLibrary:
     """Loads the CUDA simulation (building it the first time) and sets how it runs.
 
     Args:
         int32_limit: the number of elements below which the kernels take the 32-bit index path (None: the GPU's,
             2^30); 1 sends every call down the 64-bit path.
         shuffle_blocks: run the blocks of each launch, and the warps within each block, in a random order drawn
-            from ``seed`` (and a count of launches), instead of in index order.
+            drawn from ``seed`` and the number of launches since this call, instead of in index order.
         seed: see ``shuffle_blocks``.
         budget_bytes: the memory budget of one chunk of images (None: the GPU's, 256 MiB); a small one makes small
             tests take many chunks (at least one image each).
+        max_blocks: at most this many blocks a launch (None: as on the GPU, enough for every item), so that the
+            kernels' grid-stride loops run more than once.
 
     Instrumented with the sanitizers when $DEFORM_CONV_SANITIZE asks for them, as the CPU library is.
     """
@@ -59,9 +61,11 @@ def load_cuda_simulation(int32_limit: Optional[int] = None, shuffle_blocks: bool
     if budget_bytes is not None and (not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool)
                                      or budget_bytes < 1):
         raise ValueError(f"budget_bytes must be a positive int or None, got {budget_bytes!r}")
+    if max_blocks is not None and (not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 1):
+        raise ValueError(f"max_blocks must be a positive int or None, got {max_blocks!r}")
     if _loaded is None:
         _loaded = _loader.load(Variant("cuda_simulation", sanitize=_settings.sanitizers()))
-    torch.ops.deform_conv_sim.configure(limit, bool(shuffle_blocks), seed, budget_bytes or 0)
+    torch.ops.deform_conv_sim.configure(limit, bool(shuffle_blocks), seed, budget_bytes or 0, max_blocks or 0)
     return _loaded
 
 

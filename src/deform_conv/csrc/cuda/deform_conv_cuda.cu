@@ -32,12 +32,13 @@ namespace {
 constexpr int kThreads = 256;  // a multiple of the warp: the coordinate kernel's shuffles need whole warps
 
 // 256 MiB of columns per chunk: large enough that the GEMMs fill the GPU. The deterministic input gradient's
-// keys and the depthwise path's work buffers keep to the same budget.
+// keys and the depthwise path's channels-last rows (of the output, or of grad_output) keep to the same budget.
 constexpr int64_t kBudgetBytes = int64_t(256) << 20;
 
 int64_t blocks_for(int64_t threads) {
-  // Grid-stride loops cover the rest; 2^20 blocks keep every SM busy on any GPU.
-  return std::max<int64_t>(1, std::min<int64_t>((threads + kThreads - 1) / kThreads, int64_t(1) << 20));
+  // Grid-stride loops cover the rest; 2^20 blocks keep every SM busy on any GPU. (The simulation may cap the grid
+  // lower, so that the tests run the loops' later iterations too.)
+  return grid_blocks(std::max<int64_t>(1, std::min<int64_t>((threads + kThreads - 1) / kThreads, int64_t(1) << 20)));
 }
 
 // The kernels' index arithmetic (loop counters, the divisions that split a flat index, every element index) runs
@@ -172,11 +173,13 @@ void coordinate_grads_from(const ConvParams& p, const SamplingTensors& t, int64_
   });
 }
 
-// Deterministic: in runs of images whose keys fit the budget (4 entries a point; a key, its sorted copy and the
-// sort's permutation, 8 bytes each).
+// Deterministic: in runs of images whose keys fit the budget: 4 entries a point, each a key, its sorted copy, the
+// sort's permutation and what the sort itself keeps (about as much again), 8 bytes each; 16 bytes a key for the
+// key starts and the searched keys.
 void input_grad_gathered(const ConvParams& p, const SamplingTensors& t, int64_t first, int64_t images,
                          const GradSource& source, at::Tensor& grad_input) {
-  const int64_t per_image = std::max<int64_t>(1, 4 * points_of(p, 1) * 3 * int64_t(sizeof(int64_t)));
+  const int64_t per_image = std::max<int64_t>(
+      1, 4 * points_of(p, 1) * 6 * int64_t(sizeof(int64_t)) + p.offset_groups * p.height * p.width * 16);
   const int64_t run = std::clamp<int64_t>(budget_bytes(kBudgetBytes) / per_image, 1, images);
   for (int64_t start = first; start < first + images; start += run) {
     const int64_t count = std::min(run, first + images - start);
@@ -191,12 +194,16 @@ void input_grad_gathered(const ConvParams& p, const SamplingTensors& t, int64_t 
       });
     });
     // Stable: entries of one key keep their order, so the sums below add in a fixed order.
-    const auto [sorted_keys, sorted_entries] = at::sort(entry_keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    const auto sorted = at::sort(entry_keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    const at::Tensor& sorted_keys = std::get<0>(sorted);
+    const at::Tensor& sorted_entries = std::get<1>(sorted);
     const at::Tensor key_starts = at::searchsorted(sorted_keys, at::arange(keys + 1, sorted_keys.options()));
-    // A GEMM path's columns of this run start `start - first` images into the chunk's buffer.
+    // This run's columns (or grad_output rows) start `start - first` images into the chunk's buffer.
     GradSource run_source = source;
     if (source.columns()) {
       run_source.grad_columns = source.grad_columns.narrow(0, start - first, count);
+    } else {
+      run_source.grad_rows = source.grad_rows.narrow(0, start - first, count);
     }
     DEFORM_CONV_DISPATCH(t.input.scalar_type(), "deform_conv2d_backward_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
@@ -261,37 +268,53 @@ at::Tensor weight_by_tap(const ConvParams& p, const at::Tensor& weight) {
   return weight.reshape({p.in_channels, p.taps()}).t().contiguous();
 }
 
+// Images per chunk of the depthwise path: its channels-last rows (of the output, or of grad_output) stay within
+// the budget.
+int64_t depthwise_chunk(const ConvParams& p, int64_t element_size) {
+  const int64_t per_image = std::max<int64_t>(1, p.out_pixels() * p.in_channels * element_size);
+  return std::clamp<int64_t>(budget_bytes(kBudgetBytes) / per_image, 1, std::max<int64_t>(1, p.batch));
+}
+
 at::Tensor depthwise_forward(const ConvParams& p, const at::Tensor& input, const at::Tensor& offset,
                              const at::Tensor& weight, const std::optional<at::Tensor>& mask,
                              const std::optional<at::Tensor>& bias) {
-  at::Tensor out_rows = at::empty({p.batch, p.out_h, p.out_w, p.in_channels}, input.options());
-  if (out_rows.numel() > 0) {
-    const SamplingTensors t(passes(), input, offset, mask);
-    const at::Tensor weight_tc = weight_by_tap(p, weight);
-    const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
+  at::Tensor output = at::empty({p.batch, p.out_channels, p.out_h, p.out_w}, input.options());
+  if (output.numel() == 0) return output;
+  const SamplingTensors t(passes(), input, offset, mask);
+  const at::Tensor weight_tc = weight_by_tap(p, weight);
+  const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const int64_t chunk = depthwise_chunk(p, input.element_size());
+  at::Tensor rows = at::empty({chunk, p.out_h, p.out_w, p.in_channels}, input.options());
+  for (int64_t first = 0; first < p.batch; first += chunk) {
+    const int64_t images = std::min(chunk, p.batch - first);
+    at::Tensor out_rows = rows.narrow(0, 0, images);
     DEFORM_CONV_DISPATCH(input.scalar_type(), "deform_conv2d_cuda", [&] {
-      const bool wide = wide_vectors_fit<scalar_t>(p, false, {t.input.const_data_ptr(), out_rows.const_data_ptr()});
+      const bool wide = wide_vectors_fit<scalar_t>(
+          p, false, {t.input.const_data_ptr(), out_rows.const_data_ptr(), weight_tc.const_data_ptr()});
       with_index_and_vector<scalar_t>(p, p.batch, wide, [&](auto index, auto vector) {
         using index_t = decltype(index);
         constexpr int V = decltype(vector)::value;
         const Split split = split_for(p.channels_per_offset_group() / V);
-        const int64_t items = p.batch * p.out_pixels() * p.offset_groups;
+        const int64_t items = images * p.out_pixels() * p.offset_groups;
         launch(depthwise_forward_kernel<scalar_t, index_t, V>, blocks_for(items << split.lanes_log2), kThreads,
                Geometry<index_t>(p), split, t.input.const_data_ptr<scalar_t>(), t.offset.const_data_ptr<scalar_t>(),
                pointer_or_null<scalar_t>(t.mask), weight_tc.const_data_ptr<scalar_t>(),
-               pointer_or_null<scalar_t>(bias_c), index_t(items), out_rows.mutable_data_ptr<scalar_t>());
+               pointer_or_null<scalar_t>(bias_c), index_t(first), index_t(items), out_rows.mutable_data_ptr<scalar_t>());
       });
     });
+    output.narrow(0, first, images).copy_(out_rows.permute({0, 3, 1, 2}));  // [images, C, H_out, W_out]
   }
-  return out_rows.permute({0, 3, 1, 2}).contiguous();  // [B, C, H_out, W_out]
+  return output;
 }
 
-// The weight's gradient sums over every (image, output pixel) row: in at most this many blocks of consecutive
-// rows, each summed by one lane in row order and then added in block order, as on the CPU.
+// The weight's gradient sums over every (image, output pixel) row: each chunk's rows in at most this many blocks
+// of consecutive rows, each summed by one lane in row order; then the blocks in order, then the chunks in order.
 constexpr int64_t kMaxWeightBlocks = 256;
 
-at::Tensor depthwise_weight_grad(const ConvParams& p, const SamplingTensors& t, const at::Tensor& grad_rows) {
-  const int64_t rows = p.batch * p.out_pixels();
+// partials [taps, C] of the chunk of `images` images starting at `first`, summed over its row blocks in order.
+at::Tensor depthwise_weight_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, int64_t images,
+                                 const at::Tensor& grad_rows) {
+  const int64_t rows = images * p.out_pixels();
   const int64_t rows_per_block = std::max<int64_t>(1, (rows + kMaxWeightBlocks - 1) / kMaxWeightBlocks);
   const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
   const at::ScalarType acc_type = at::toOpMathType(t.input.scalar_type());
@@ -306,12 +329,11 @@ at::Tensor depthwise_weight_grad(const ConvParams& p, const SamplingTensors& t, 
       const int64_t items = blocks * p.offset_groups * p.taps();
       launch(depthwise_weight_partials_kernel<scalar_t, index_t, V>, blocks_for(items << split.lanes_log2), kThreads,
              Geometry<index_t>(p), split, t.input.const_data_ptr<scalar_t>(), t.offset.const_data_ptr<scalar_t>(),
-             pointer_or_null<scalar_t>(t.mask), grad_rows.const_data_ptr<scalar_t>(), index_t(rows),
+             pointer_or_null<scalar_t>(t.mask), grad_rows.const_data_ptr<scalar_t>(), index_t(first), index_t(rows),
              index_t(rows_per_block), index_t(items), partials.mutable_data_ptr<acc_t>());
     });
   });
-  // [taps, C] summed over the blocks in order -> [C, 1, kh, kw]
-  return partials.sum(0).t().reshape({p.in_channels, 1, p.kernel_h, p.kernel_w});
+  return partials.sum(0);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> depthwise_backward(
@@ -319,21 +341,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
     const at::Tensor& weight, const std::optional<at::Tensor>& mask, bool bias_defined) {
   const at::ScalarType acc_type = at::toOpMathType(input.scalar_type());
   at::Tensor grad_input = at::zeros({p.batch, p.height, p.width, p.in_channels}, input.options().dtype(acc_type));
-  at::Tensor grad_offset = at::zeros(offset.sizes(), offset.options());
-  at::Tensor grad_mask = mask.has_value() ? at::zeros(mask->sizes(), mask->options()) : at::Tensor();
-  at::Tensor grad_weight = at::zeros(weight.sizes(), weight.options().dtype(acc_type));
+  // Every element of grad_offset and grad_mask is written exactly once by the coordinate pass.
+  at::Tensor grad_offset = at::empty(offset.sizes(), offset.options());
+  at::Tensor grad_mask = mask.has_value() ? at::empty(mask->sizes(), mask->options()) : at::Tensor();
+  at::Tensor grad_weight_tc = at::zeros({p.taps(), p.in_channels}, weight.options().dtype(acc_type));
   std::optional<at::Tensor> grad_bias;
   if (bias_defined) grad_bias = grad_output.sum({0, 2, 3}, /*keepdim=*/false, acc_type).to(input.scalar_type());
   if (p.batch > 0) {
     const SamplingTensors t(passes(), input, offset, mask);
-    const at::Tensor grad_rows = grad_output.permute({0, 2, 3, 1}).contiguous();  // [B, H_out, W_out, C]
-    const GradSource source{at::Tensor(), weight_by_tap(p, weight), grad_rows};
-    coordinate_grads_from(p, t, 0, p.batch, source, grad_offset, grad_mask);
-    input_grad_from(p, t, 0, p.batch, source, grad_input);
-    grad_weight = depthwise_weight_grad(p, t, grad_rows);
+    const at::Tensor weight_tc = weight_by_tap(p, weight);
+    const int64_t chunk = depthwise_chunk(p, input.element_size());
+    at::Tensor rows = at::empty({chunk, p.out_h, p.out_w, p.in_channels}, input.options());
+    for (int64_t first = 0; first < p.batch; first += chunk) {
+      const int64_t images = std::min(chunk, p.batch - first);
+      at::Tensor grad_rows = rows.narrow(0, 0, images);
+      grad_rows.copy_(grad_output.narrow(0, first, images).permute({0, 2, 3, 1}));  // [images, H_out, W_out, C]
+      const GradSource source{at::Tensor(), weight_tc, grad_rows};
+      coordinate_grads_from(p, t, first, images, source, grad_offset, grad_mask);
+      input_grad_from(p, t, first, images, source, grad_input);
+      grad_weight_tc.add_(depthwise_weight_grad(p, t, first, images, grad_rows));
+    }
+  } else {
+    grad_offset.zero_();
+    if (grad_mask.defined()) grad_mask.zero_();
   }
   std::optional<at::Tensor> grad_mask_result;
   if (grad_mask.defined()) grad_mask_result = grad_mask;
+  // [taps, C] -> [C, 1, kh, kw]
+  at::Tensor grad_weight = grad_weight_tc.t().contiguous().view({p.in_channels, 1, p.kernel_h, p.kernel_w});
   return {grad_input.permute({0, 3, 1, 2}).to(input.scalar_type(), /*non_blocking=*/false, /*copy=*/false,
                                                at::MemoryFormat::Contiguous),
           grad_offset, grad_weight.to(weight.scalar_type()), grad_mask_result, grad_bias};

@@ -9,23 +9,24 @@
 namespace deform_conv {
 namespace cuda {
 
-// Item (row, offset group), row = n * H_out*W_out + pixel: out_rows[row, c] = bias[c] + sum over taps of
-// weight[tap, c] * mask * bilinear(input[n, c]); out_rows channels-last [B, H_out*W_out, C].
+// Item (row, offset group), row = n_local * H_out*W_out + pixel in a chunk of images starting at `first`:
+// out_rows[row, c] = bias[c] + sum over taps of weight[tap, c] * mask * bilinear(input[first + n_local, c]);
+// out_rows channels-last [images, H_out*W_out, C].
 template <typename scalar_t, typename index_t, int V>
 DC_KERNEL void depthwise_forward_kernel(Geometry<index_t> g, Split split, const scalar_t* __restrict__ input,
                                         const scalar_t* __restrict__ offset, const scalar_t* __restrict__ mask,
                                         const scalar_t* __restrict__ weight_tc, const scalar_t* __restrict__ bias,
-                                        index_t items, scalar_t* __restrict__ out_rows) {
+                                        index_t first, index_t items, scalar_t* __restrict__ out_rows) {
   using acc_t = at::opmath_type<scalar_t>;
   const LaneGroup<index_t> lanes(split);
   for (index_t item = lanes.item; item < items; item += lanes.step) {
     const index_t group = item % g.offset_groups, row = item / g.offset_groups;
-    const index_t n = row / g.out_pixels, pixel = row - n * g.out_pixels;
+    const index_t n_local = row / g.out_pixels, pixel = row - n_local * g.out_pixels;
     const index_t end = (group + 1) * g.per_offset_group;
     for (index_t c = group * g.per_offset_group + lanes.lane * V; c < end; c += lanes.lanes * V) {
       acc_t sum[V] = {};
       for (index_t tap = 0; tap < g.taps; ++tap) {
-        const Point<acc_t, index_t> s(g, offset, mask, index_t(0), PointIndex<index_t>(n, pixel, group, tap));
+        const Point<acc_t, index_t> s(g, offset, mask, first, PointIndex<index_t>(n_local, pixel, group, tap));
         acc_t value[V];
         interpolate<V>(g, input, s, c, value);
         const Vector<scalar_t, V> w = load_vector<V>(weight_tc + tap * g.in_channels + c);
@@ -42,12 +43,13 @@ DC_KERNEL void depthwise_forward_kernel(Geometry<index_t> g, Split split, const 
   }
 }
 
-// Item (row block, offset group, tap): partials[block, tap, c] = sum over the block's rows, in order, of
-// grad_output[row, c] * mask * bilinear(input[n, c]) (the column's value). The caller adds the blocks in order.
+// Item (row block, offset group, tap) of a chunk of images starting at `first`: partials[block, tap, c] = sum
+// over the block's rows, in order, of grad_rows[row, c] * mask * bilinear(input[n, c]) (the column's value). The
+// caller adds the blocks in order.
 template <typename scalar_t, typename index_t, int V>
 DC_KERNEL void depthwise_weight_partials_kernel(Geometry<index_t> g, Split split, const scalar_t* __restrict__ input,
                                                 const scalar_t* __restrict__ offset, const scalar_t* __restrict__ mask,
-                                                const scalar_t* __restrict__ grad_rows, index_t rows,
+                                                const scalar_t* __restrict__ grad_rows, index_t first, index_t rows,
                                                 index_t rows_per_block, index_t items,
                                                 at::opmath_type<scalar_t>* __restrict__ partials) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -60,8 +62,8 @@ DC_KERNEL void depthwise_weight_partials_kernel(Geometry<index_t> g, Split split
     for (index_t c = group * g.per_offset_group + lanes.lane * V; c < end; c += lanes.lanes * V) {
       acc_t sum[V] = {};
       for (index_t row = block * rows_per_block; row < row_end; ++row) {
-        const index_t n = row / g.out_pixels, pixel = row - n * g.out_pixels;
-        const Point<acc_t, index_t> s(g, offset, mask, index_t(0), PointIndex<index_t>(n, pixel, group, tap));
+        const index_t n_local = row / g.out_pixels, pixel = row - n_local * g.out_pixels;
+        const Point<acc_t, index_t> s(g, offset, mask, first, PointIndex<index_t>(n_local, pixel, group, tap));
         acc_t value[V];
         interpolate<V>(g, input, s, c, value);
         const Vector<scalar_t, V> grad = load_vector<V>(grad_rows + row * g.in_channels + c);

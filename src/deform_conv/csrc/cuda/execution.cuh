@@ -37,6 +37,8 @@ inline int64_t int32_index_limit() { return int64_t(1) << 30; }
 inline void note_index_bits(int) {}  // counted by the simulation only
 // The memory budget of a chunk (the simulation may lower it, so that small tests take many chunks).
 inline int64_t budget_bytes(int64_t gpu_budget) { return gpu_budget; }
+// The blocks a launch gets (the simulation may cap them, so that grid-stride loops run more than once).
+inline int64_t grid_blocks(int64_t blocks) { return blocks; }
 
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), int64_t blocks, int threads, Args&&... args) {

@@ -39,16 +39,16 @@ struct GradColumnsBuffer {
 };
 
 // A depthwise layer's: the column of (point, channel c) is weighted by weight[c, tap] alone, so its gradient is
-// weight[c, tap] * grad_output[n, c, pixel]; both read channels-last.
+// weight[c, tap] * grad_output[n, c, pixel]; both read channels-last, grad_output as the rows of the chunk.
 template <typename scalar_t, typename index_t>
 struct DepthwiseGradColumns {
   const scalar_t* weight_tc;  // [taps, C]
-  const scalar_t* grad_rows;  // [B, H_out * W_out, C]
+  const scalar_t* grad_rows;  // [images of the chunk, H_out * W_out, C]
 
   template <int V, typename acc_t>
   DC_DEVICE void load(const Geometry<index_t>& g, const Point<acc_t, index_t>& s, index_t c, acc_t (&out)[V]) const {
     const Vector<scalar_t, V> w = load_vector<V>(weight_tc + s.tap * g.in_channels + c);
-    const Vector<scalar_t, V> grad = load_vector<V>(grad_rows + (s.n * g.out_pixels + s.pixel) * g.in_channels + c);
+    const Vector<scalar_t, V> grad = load_vector<V>(grad_rows + (s.n_local * g.out_pixels + s.pixel) * g.in_channels + c);
 #pragma unroll
     for (int k = 0; k < V; ++k) out[k] = static_cast<acc_t>(w.v[k]) * static_cast<acc_t>(grad.v[k]);
   }
@@ -177,6 +177,7 @@ DC_KERNEL void entry_keys_kernel(Geometry<index_t> g, const scalar_t* __restrict
   }
 }
 
+// Each key's lane group owns all of its (pixel, channel) elements, so its adds, in entry order, need no atomics.
 template <typename scalar_t, typename index_t, typename GradColumns>
 DC_KERNEL void input_grad_gather_kernel(Geometry<index_t> g, Split split, const scalar_t* __restrict__ offset,
                                         const scalar_t* __restrict__ mask, GradColumns grad_columns,
@@ -191,16 +192,16 @@ DC_KERNEL void input_grad_gather_kernel(Geometry<index_t> g, Split split, const 
     const index_t image_pixel = key % g.image_pixels, rest = key / g.image_pixels;
     const index_t group = rest % g.offset_groups, n = first + rest / g.offset_groups;
     const index_t channels_end = (group + 1) * g.per_offset_group;
-    for (index_t c = group * g.per_offset_group + lanes.lane; c < channels_end; c += lanes.lanes) {
-      acc_t sum = 0;
-      for (index_t e = begin; e < end; ++e) {
-        const index_t entry = static_cast<index_t>(sorted_entries[e]);
-        const Point<acc_t, index_t> s(g, offset, mask, first, entry / 4);
+    acc_t* target = grad_input + g.input_index(n, image_pixel, 0);
+    for (index_t e = begin; e < end; ++e) {
+      const index_t entry = static_cast<index_t>(sorted_entries[e]);
+      const Point<acc_t, index_t> s(g, offset, mask, first, entry / 4);  // once an entry, for all its channels
+      const acc_t w = s.b.weight(static_cast<int>(entry % 4));
+      for (index_t c = group * g.per_offset_group + lanes.lane; c < channels_end; c += lanes.lanes) {
         acc_t grad[1];
         grad_columns.template load<1>(g, s, c, grad);
-        sum += s.b.weight(static_cast<int>(entry % 4)) * (grad[0] * s.mask);
+        target[c] += w * (grad[0] * s.mask);
       }
-      grad_input[g.input_index(n, image_pixel, c)] += sum;
     }
   }
 }

@@ -43,11 +43,14 @@ struct Statistics {
   int64_t launches = 0, blocks = 0, threads = 0, shuffles = 0, int32_launches = 0, int64_launches = 0;
 };
 Statistics statistics;
+// Launches since the last configure: with the seed, what orders a launch's blocks (so that a shuffled run repeats
+// whatever ran before it in the process).
+uint64_t launches_since_configure = 0;
 
 enum class Wait { running, shuffle, done };
 
 struct Fiber {
-  ucontext_t context;
+  ucontext_t context{};
   ThreadState state;
   Wait wait = Wait::running;
   std::array<unsigned char, 8> value{};  // a shuffle's operand, then its result
@@ -80,7 +83,7 @@ class Stack {
 // The block being run on this host thread.
 struct Block {
   std::vector<Fiber> fibers;
-  ucontext_t scheduler;
+  ucontext_t scheduler{};
   const std::function<void()>* body = nullptr;
   int running = -1;
 #ifdef DC_SIM_ASAN
@@ -174,9 +177,12 @@ bool complete_shuffles(Block& block, int64_t block_index) {
 
 }  // namespace
 
+// Runs on a fiber's stack, where nothing may throw (an exception cannot unwind past the fiber's entry): the
+// value size is checked at compile time (simt.h), and a shuffle outside a kernel cannot happen on a fiber.
 void exchange_xor(void* value, int bytes, int delta) {
-  TORCH_CHECK(current_block != nullptr && current_block->running >= 0, "CUDA simulation: a shuffle outside a kernel");
-  TORCH_CHECK(bytes > 0 && bytes <= 8, "CUDA simulation: shuffles move 1 to 8 bytes, got ", bytes);
+  if (current_block == nullptr || current_block->running < 0) {
+    TORCH_CHECK(false, "CUDA simulation: a shuffle outside a kernel");  // on the host stack: throwing is fine
+  }
   Fiber& fiber = current_block->fibers[current_block->running];
   std::memcpy(fiber.value.data(), value, bytes);
   fiber.bytes = bytes;
@@ -185,6 +191,8 @@ void exchange_xor(void* value, int bytes, int delta) {
   switch_to_scheduler(fiber, /*finished=*/false);
   std::memcpy(value, fiber.value.data(), bytes);
 }
+
+void restart_block_orders() { launches_since_configure = 0; }
 
 void note_index_bits(int bits) { ++(bits == 32 ? statistics.int32_launches : statistics.int64_launches); }
 
@@ -204,7 +212,8 @@ void run_grid(int64_t blocks, int64_t threads, const std::function<void()>& body
   const int warps = static_cast<int>((threads + kWarpSize - 1) / kWarpSize);
   std::vector<int> warp_order(warps);
   std::iota(warp_order.begin(), warp_order.end(), 0);
-  std::mt19937_64 random(options().seed + static_cast<uint64_t>(statistics.launches));
+  std::seed_seq seeds{options().seed, ++launches_since_configure};
+  std::mt19937_64 random(seeds);
   if (options().shuffle_blocks) std::shuffle(block_order.begin(), block_order.end(), random);
 
   Block block;
@@ -248,11 +257,13 @@ void run_grid(int64_t blocks, int64_t threads, const std::function<void()>& body
 
 namespace {
 
-void configure(int64_t int32_limit, bool shuffle_blocks, int64_t seed, int64_t budget_bytes) {
+void configure(int64_t int32_limit, bool shuffle_blocks, int64_t seed, int64_t budget_bytes, int64_t max_blocks) {
   TORCH_CHECK(int32_limit >= 1 && int32_limit <= (int64_t(1) << 30), "int32_limit must be in [1, 2^30], got ",
               int32_limit);
   TORCH_CHECK(budget_bytes >= 0, "budget_bytes must be >= 0, got ", budget_bytes);
-  deform_conv::sim::options() = {int32_limit, shuffle_blocks, static_cast<uint64_t>(seed), budget_bytes};
+  TORCH_CHECK(max_blocks >= 0, "max_blocks must be >= 0, got ", max_blocks);
+  deform_conv::sim::options() = {int32_limit, shuffle_blocks, static_cast<uint64_t>(seed), budget_bytes, max_blocks};
+  deform_conv::sim::restart_block_orders();
 }
 
 // [launches, blocks, threads, shuffles, launches with 32-bit indices, launches with 64-bit indices] so far.
@@ -266,6 +277,7 @@ std::vector<int64_t> statistics() {
 TORCH_LIBRARY(deform_conv_sim, m) {
   m.def(deform_conv::kDeformConv2dSchema);
   m.def(deform_conv::kDeformConv2dBackwardSchema);
-  m.def("configure(int int32_limit, bool shuffle_blocks, int seed, int budget_bytes) -> ()", &configure);
+  m.def("configure(int int32_limit, bool shuffle_blocks, int seed, int budget_bytes, int max_blocks) -> ()",
+        &configure);
   m.def("statistics() -> int[]", &statistics);
 }

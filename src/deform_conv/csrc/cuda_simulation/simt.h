@@ -12,6 +12,7 @@
 
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 
@@ -34,6 +35,7 @@ struct Options {
   bool shuffle_blocks = false;             // blocks, and warps within a block, in a seeded random order
   uint64_t seed = 0;
   int64_t budget_bytes = 0;                // > 0: replaces the GPU's chunk budget
+  int64_t max_blocks = 0;                  // > 0: at most this many blocks a launch (grid-stride loops loop)
 };
 Options& options();
 
@@ -45,6 +47,9 @@ void run_grid(int64_t blocks, int64_t threads, const std::function<void()>& body
 
 // Which index width a launch chose (the tests check that both paths run).
 void note_index_bits(int bits);
+
+// Shuffled block orders start again from the seed (configure calls it).
+void restart_block_orders();
 
 }  // namespace sim
 }  // namespace deform_conv
@@ -65,6 +70,7 @@ struct DeviceGuard {
 
 template <typename T>
 inline T warp_xor(T value, int delta) {
+  static_assert(sizeof(T) <= 8, "CUDA shuffles move at most 8 bytes");
   sim::exchange_xor(&value, sizeof(T), delta);
   return value;
 }
@@ -79,6 +85,9 @@ inline int64_t int32_index_limit() { return sim::options().int32_limit; }
 inline void note_index_bits(int bits) { sim::note_index_bits(bits); }
 inline int64_t budget_bytes(int64_t gpu_budget) {
   return sim::options().budget_bytes > 0 ? sim::options().budget_bytes : gpu_budget;
+}
+inline int64_t grid_blocks(int64_t blocks) {
+  return sim::options().max_blocks > 0 ? std::min(blocks, sim::options().max_blocks) : blocks;
 }
 
 template <typename... Params, typename... Args>
