@@ -10,6 +10,12 @@ import torch
 
 import deform_conv
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "repeats_under_sanitizers: a variation whose addressing other tests already cover; "
+        "scripts/sanitize-tests leaves it out (-m 'not repeats_under_sanitizers') to keep the instrumented run short")
+
+
 # Tolerances per dtype, (rtol, atol): what the arithmetic allows, never widened to make a test pass.
 TOLERANCES = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-5, 1e-5)}
 

@@ -113,6 +113,7 @@ def test_border_gradient_conventions(border, geometry):
     assert_all_close(simulated(case, border_gradient=border), expected, torch.float64)
 
 
+@pytest.mark.repeats_under_sanitizers  # (the deterministic 64-bit test below runs there)
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
 def test_64_bit_index_path(dtype, geometry):
     case = make_case(dtype, **GEOMETRIES[geometry])
@@ -202,6 +203,7 @@ def test_non_finite_offsets_and_masks(dtype, geometry, deterministic):
     assert_all_close_nonfinite(results, expected, dtype, same_nan=False)
 
 
+@pytest.mark.repeats_under_sanitizers  # block order does not change which addresses a kernel touches
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
 def test_shuffled_block_order(geometry):
     case = make_case(torch.float64, **GEOMETRIES[geometry])
@@ -213,6 +215,7 @@ def test_shuffled_block_order(geometry):
     assert_all_close(results, output_and_grads(reference, case), torch.float64)
 
 
+@pytest.mark.repeats_under_sanitizers  # (the deterministic tests of chunks, runs and non-finite inputs run there)
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
 def test_deterministic_backward_matches_the_reference(dtype, geometry):
     case = make_case(dtype, **GEOMETRIES[geometry])
@@ -256,6 +259,7 @@ def test_shuffled_blocks_change_the_order_of_the_atomic_sums():
         torch.testing.assert_close(other, first, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.repeats_under_sanitizers  # the same addresses as one pass, in another order
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_grid_stride_loops(geometry, deterministic):
