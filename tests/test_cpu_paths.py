@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import platform
 
 import pytest
 import torch
@@ -61,9 +62,13 @@ def test_depthwise_with_channels_last_and_strided_inputs():
     assert_all_close(output_and_grads(ours, case, strided), output_and_grads(reference, case), torch.float64)
 
 
-# Where the float32 layers' GEMMs run on the batch-reduce GEMM (cpu/brgemm.cpp: batch_reduce_gemm_works).
-BATCH_REDUCE_GEMM = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-                     and torch.backends.mkldnn.is_available())
+# Where the float32 layers' GEMMs run on the batch-reduce GEMM (cpu/brgemm.cpp), as the library says: it is
+# compiled in only against torch >= 2.9 (ATen's CPUBLAS_BRGEMM_F32F32F32) and used only on x86 with AVX2 and
+# oneDNN. Elsewhere they take the driver's path, as exact but on ATen's GEMMs.
+BATCH_REDUCE_GEMM = torch.ops.deform_conv.brgemm_available()
+NO_BATCH_REDUCE_GEMM = (f"the batch-reduce GEMM is not compiled in or not usable here (torch {torch.__version__}, "
+                        f"{platform.machine()}, CPU capability {torch.backends.cpu.get_cpu_capability()}): it needs "
+                        "torch >= 2.9 on x86-64 with AVX2 and oneDNN")
 
 
 @pytest.mark.parametrize("groups", [1, 8], ids=["columns", "depthwise"])
@@ -180,7 +185,23 @@ def test_float32_forward_on_both_paths(shape, layout, onednn):
 
 
 @ignore_tf32_warning
-@pytest.mark.skipif(not BATCH_REDUCE_GEMM, reason="the tiled paths need oneDNN's batch-reduce GEMM, on x86 with AVX2")
+def test_brgemm_available_names_the_path_float32_layers_take():
+    """The op answers for the path a float32 forward takes, per call: no convolution of ATen where it says True,
+    the driver's convolution where it says False (oneDNN off, or the GEMM not there)."""
+    case = make_case(torch.float32, **TILED_SHAPES["tiles_panels_depth_blocks"])
+    answers = {}
+    for onednn in (True, False):
+        with torch.backends.mkldnn.flags(enabled=onednn), torch.profiler.profile() as profile:
+            answers[onednn] = torch.ops.deform_conv.brgemm_available()
+            case.call(ours, case.tensors())
+        assert ("aten::conv2d" not in {event.name for event in profile.events()}) == answers[onednn], answers
+    assert answers == {True: BATCH_REDUCE_GEMM, False: False}
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 9) or platform.machine() != "x86_64":
+        assert not BATCH_REDUCE_GEMM
+
+
+@ignore_tf32_warning
+@pytest.mark.skipif(not BATCH_REDUCE_GEMM, reason=NO_BATCH_REDUCE_GEMM)
 def test_float32_layers_take_the_batch_reduce_gemm():
     """The tiled forward runs no convolution of ATen, and the backward no mm: their GEMMs are the batch-reduce
     GEMM's. With oneDNN off, the driver runs them as a convolution and mm per image."""
@@ -200,10 +221,11 @@ def test_float32_layers_take_the_batch_reduce_gemm():
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_tiled_forward_does_not_depend_on_the_thread_count(batch):
-    """Tiles follow the shape, not the threads; with one image the input is turned up front on two threads and
-    by the one thread itself on one: the same bits either way."""
-    case = make_case(torch.float32, **dict(TILED_SHAPES["tiles_panels_depth_blocks"], batch=batch))
+def test_float32_forward_on_two_thread_counts(batch):
+    """On the tiled forward, tiles follow the shape, not the threads; with one image the input is turned up front
+    on two threads and by the one thread itself on one: the same bits either way. On the driver's path (no
+    batch-reduce GEMM) ATen's GEMM splits its sums by thread count: the same values to float32's tolerance."""
+    case = _network_scale(make_case(torch.float32, **dict(TILED_SHAPES["tiles_panels_depth_blocks"], batch=batch)))
     threads = torch.get_num_threads()
     try:
         outputs = []
@@ -212,7 +234,10 @@ def test_tiled_forward_does_not_depend_on_the_thread_count(batch):
             outputs.append(case.call(ours, case.tensors()))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(outputs[0], outputs[1])
+    if BATCH_REDUCE_GEMM:
+        assert torch.equal(outputs[0], outputs[1])
+    else:
+        assert_all_close(outputs[:1], outputs[1:], torch.float32)
 
 
 # The backward's GEMMs on the batch-reduce GEMM (cpu/brgemm.cpp), for every float32 layer; with oneDNN off,

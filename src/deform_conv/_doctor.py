@@ -19,6 +19,18 @@ def _size(path: Path) -> str:
     return f"{total / 2**20:.1f} MiB"
 
 
+def batch_reduce_gemm() -> str:
+    """Which GEMMs float32 layers run on, as the loaded CPU library says (torch.ops.deform_conv.brgemm_available),
+    and what decides it: the tiled paths' speed, and sums that do not depend on the thread count, need it."""
+    onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    here = (f"torch {torch.__version__}, {platform.machine()}, CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}, oneDNN {'on' if onednn else 'off'}")
+    if torch.ops.deform_conv.brgemm_available():
+        return f"the batch-reduce GEMM, oneDNN's microkernels ({here})"
+    return (f"the driver's path ({here}): the batch-reduce GEMM needs torch >= 2.9 on x86-64 with AVX2 and oneDNN "
+            "on; as exact, but slower, and float32 sums depend on the thread count")
+
+
 def doctor() -> int:
     problems: List[str] = []
     print(f"deform_conv {__version__} doctor")
@@ -89,11 +101,19 @@ def doctor() -> int:
         environment = _variant.environment_inputs(variant)
         found, _skipped = _loader.find_entry(variant, root, environment,
                                              any_toolchain=not _loader.can_build(variant, root), warn=False)
-        if _loader.matching_prebuilt(variant, environment).usable:
+        prebuilt = _loader.matching_prebuilt(variant, environment)
+        if prebuilt.usable:
             print(f"  {variant.kind:12s} bundled at install time ({_loader.PREBUILT})")
         elif found:
             print(f"  {variant.kind:12s} built: {found.path.name}")
-        else:
+        if variant.kind == "cpu" and (prebuilt.usable or found):
+            try:  # the library itself knows what it was compiled with; loading it runs no compiler
+                _loader._load(variant, prebuilt if prebuilt.usable else found)
+                print(f"  {'cpu GEMMs':12s} {batch_reduce_gemm()}")
+            except _loader.BuildError as error:
+                if str(error).replace("\n", " ") not in problems:
+                    problems.append(str(error).replace("\n", " "))
+        if not prebuilt.usable and not found:
             print(f"  {variant.kind:12s} not built for the current key: the next import builds it "
                   "(or run `deform-conv build`)")
             if not cxx or not ninja:

@@ -2,6 +2,7 @@
 // TORCH_LIBRARY_IMPL(deform_conv, <DispatchKey>, m); autograd and fake kernels live in Python (_ops.py).
 #include <torch/library.h>
 
+#include "cpu/brgemm.h"
 #include "cpu/scratch.h"
 #include "schemas.h"
 
@@ -10,4 +11,6 @@ TORCH_LIBRARY(deform_conv, m) {
   m.def(deform_conv::kDeformConv2dBackwardSchema);
   // Bytes of scratch memory the CPU kernels keep between calls, over all threads (cpu/scratch.h).
   m.def("kept_scratch_bytes() -> int", &deform_conv::cpu::kept_scratch_bytes);
+  // Whether float32 layers run their GEMMs on ATen's batch-reduce GEMM here, now (cpu/brgemm.h).
+  m.def("brgemm_available() -> bool", &deform_conv::cpu::batch_reduce_gemm_works);
 }

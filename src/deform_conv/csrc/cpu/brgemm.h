@@ -13,8 +13,11 @@
 namespace deform_conv {
 namespace cpu {
 
-// Whether the GEMM runs on oneDNN's microkernels here: ATen built with it and with oneDNN, x86 with AVX2, and
-// oneDNN enabled (torch.backends.mkldnn.enabled, which may change between calls).
+// Whether the GEMM runs on oneDNN's microkernels here: this library compiled against a torch that has it (ATen's
+// CPUBLAS_BRGEMM_F32F32F32, torch >= 2.9), ATen built with oneDNN, x86 with AVX2, and oneDNN enabled
+// (torch.backends.mkldnn.enabled, which may change between calls). Where it is false, float32 layers take the
+// driver's path, whose GEMMs (ATen's) split their sums by thread count. The op brgemm_available() returns it, so
+// that tests and `deform-conv doctor` ask the library rather than guess from torch's version and the CPU.
 bool batch_reduce_gemm_works();
 
 // c[m, n] = a[m, k] x b[k, n] (or c += with `accumulate`), row-major with leading dimensions ld_*, on the calling
