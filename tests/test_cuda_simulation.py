@@ -34,6 +34,16 @@ def deterministic_algorithms(enabled: bool):
         torch.use_deterministic_algorithms(previous)
 
 
+@contextlib.contextmanager
+def simulation_options(**options):
+    """The simulation configured with ``options`` (load_cuda_simulation's keywords), then its defaults again."""
+    testing.load_cuda_simulation(**options)
+    try:
+        yield
+    finally:
+        testing.load_cuda_simulation()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def simulation():
     testing.load_cuda_simulation()
@@ -119,11 +129,8 @@ def test_64_bit_index_path(dtype, geometry):
     case = make_case(dtype, **GEOMETRIES[geometry])
     expected = output_and_grads(reference, case)
     before = testing.simulation_statistics()
-    testing.load_cuda_simulation(int32_limit=1)
-    try:
+    with simulation_options(int32_limit=1):
         results = simulated(case)
-    finally:
-        testing.load_cuda_simulation()
     after = testing.simulation_statistics()
     assert after.int64_launches - before.int64_launches == 4  # forward: fill; backward: fill, coordinates, input
     assert after.int32_launches == before.int32_launches
@@ -181,12 +188,9 @@ def test_one_image_a_chunk(geometry, deterministic):
     """A budget smaller than one image's columns (and than one image's keys in the deterministic mode): every
     image is a chunk (and a run of the gather) of its own."""
     case = make_case(torch.float64, batch=4, **GEOMETRIES[geometry])
-    testing.load_cuda_simulation(budget_bytes=1)
-    try:
+    with simulation_options(budget_bytes=1):
         with deterministic_algorithms(deterministic):
             results = simulated(case)
-    finally:
-        testing.load_cuda_simulation()
     assert_all_close(results, output_and_grads(reference, case), torch.float64)
 
 
@@ -207,11 +211,8 @@ def test_non_finite_offsets_and_masks(dtype, geometry, deterministic):
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
 def test_shuffled_block_order(geometry):
     case = make_case(torch.float64, **GEOMETRIES[geometry])
-    testing.load_cuda_simulation(shuffle_blocks=True, seed=7)
-    try:
+    with simulation_options(shuffle_blocks=True, seed=7):
         results = simulated(case)
-    finally:
-        testing.load_cuda_simulation()
     assert_all_close(results, output_and_grads(reference, case), torch.float64)
 
 
@@ -226,13 +227,9 @@ def test_deterministic_backward_matches_the_reference(dtype, geometry):
 
 def _grad_input_in_shuffled_runs(case: Case, deterministic: bool, seeds) -> List[torch.Tensor]:
     runs = []
-    try:
-        for seed in seeds:
-            testing.load_cuda_simulation(shuffle_blocks=True, seed=seed)
-            with deterministic_algorithms(deterministic):
-                runs.append(simulated(case)[1])
-    finally:
-        testing.load_cuda_simulation()
+    for seed in seeds:
+        with simulation_options(shuffle_blocks=True, seed=seed), deterministic_algorithms(deterministic):
+            runs.append(simulated(case)[1])
     return runs
 
 
@@ -268,12 +265,9 @@ def test_grid_stride_loops(geometry, deterministic):
     case = make_case(torch.float64, **GEOMETRIES[geometry])
     expected = output_and_grads(reference, case)
     for max_blocks in (1, 2):
-        testing.load_cuda_simulation(max_blocks=max_blocks)
-        try:
+        with simulation_options(max_blocks=max_blocks):
             with deterministic_algorithms(deterministic):
                 results = simulated(case)
-        finally:
-            testing.load_cuda_simulation()
         assert_all_close(results, expected, torch.float64)
 
 
@@ -287,24 +281,18 @@ def test_gather_runs_inside_a_chunk():
     columns_per_image = out_h * out_w * taps * channels * 8
     keys_per_image = 4 * out_h * out_w * offset_groups * taps * 48 + offset_groups * height * width * 16
     assert keys_per_image > 2 * columns_per_image  # so the run is one image while the chunk is two
-    testing.load_cuda_simulation(budget_bytes=2 * columns_per_image)
-    try:
+    with simulation_options(budget_bytes=2 * columns_per_image):
         with deterministic_algorithms(True):
             results = simulated(case)
-    finally:
-        testing.load_cuda_simulation()
     assert_all_close(results, output_and_grads(reference, case), torch.float64)
 
 
 @pytest.mark.parametrize("geometry", ["awkward", "depthwise", "wide_vectors"])
 def test_deterministic_backward_on_the_64_bit_path(geometry):
     case = make_case(torch.float64, **GEOMETRIES[geometry])
-    testing.load_cuda_simulation(int32_limit=1)
-    try:
+    with simulation_options(int32_limit=1):
         with deterministic_algorithms(True):
             results = simulated(case)
-    finally:
-        testing.load_cuda_simulation()
     assert_all_close(results, output_and_grads(reference, case), torch.float64)
 
 
@@ -314,13 +302,9 @@ def test_half_types_deterministic_bits_in_any_block_order(half, geometry):
     case = make_case(torch.float64, offset_scale=1.0, **GEOMETRIES[geometry])
     halves = [t.to(half) for t in case.tensors()]
     runs = []
-    try:
-        for seed in (1, 2):
-            testing.load_cuda_simulation(shuffle_blocks=True, seed=seed)
-            with deterministic_algorithms(True):
-                runs.append(simulated(case, halves))
-    finally:
-        testing.load_cuda_simulation()
+    for seed in (1, 2):
+        with simulation_options(shuffle_blocks=True, seed=seed), deterministic_algorithms(True):
+            runs.append(simulated(case, halves))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 

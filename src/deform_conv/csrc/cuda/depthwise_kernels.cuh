@@ -28,12 +28,10 @@ DC_KERNEL void depthwise_forward_kernel(Geometry<index_t> g, Split split, const 
       for (index_t tap = 0; tap < g.taps; ++tap) {
         const Point<acc_t, index_t> s(g, offset, mask, first, PointIndex<index_t>(n_local, pixel, group, tap));
         acc_t value[V];
-        interpolate<V>(g, input, s, c, value);
+        column_value<V>(g, input, mask != nullptr, s, c, value);
         const Vector<scalar_t, V> w = load_vector<V>(weight_tc + tap * g.in_channels + c);
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-          sum[k] += static_cast<acc_t>(w.v[k]) * (mask != nullptr ? value[k] * s.mask : value[k]);
-        }
+        for (int k = 0; k < V; ++k) sum[k] += static_cast<acc_t>(w.v[k]) * value[k];
       }
       Vector<scalar_t, V> out;
 #pragma unroll
@@ -65,12 +63,10 @@ DC_KERNEL void depthwise_weight_partials_kernel(Geometry<index_t> g, Split split
         const index_t n_local = row / g.out_pixels, pixel = row - n_local * g.out_pixels;
         const Point<acc_t, index_t> s(g, offset, mask, first, PointIndex<index_t>(n_local, pixel, group, tap));
         acc_t value[V];
-        interpolate<V>(g, input, s, c, value);
+        column_value<V>(g, input, mask != nullptr, s, c, value);
         const Vector<scalar_t, V> grad = load_vector<V>(grad_rows + row * g.in_channels + c);
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-          sum[k] += static_cast<acc_t>(grad.v[k]) * (mask != nullptr ? value[k] * s.mask : value[k]);
-        }
+        for (int k = 0; k < V; ++k) sum[k] += static_cast<acc_t>(grad.v[k]) * value[k];
       }
 #pragma unroll
       for (int k = 0; k < V; ++k) partials[(block * g.taps + tap) * g.in_channels + c + k] = sum[k];

@@ -25,6 +25,18 @@ DC_DEVICE void interpolate(const Geometry<index_t>& g, const scalar_t* __restric
   }
 }
 
+// value[k] = the column's value of channel c + k at point s: the interpolation times the mask (alone without one).
+// The mask multiplies the interpolated value, so a non-finite mask propagates as a multiplication would.
+template <int V, typename scalar_t, typename acc_t, typename index_t>
+DC_DEVICE void column_value(const Geometry<index_t>& g, const scalar_t* __restrict__ input, bool has_mask,
+                            const Point<acc_t, index_t>& s, index_t c, acc_t (&value)[V]) {
+  interpolate<V>(g, input, s, c, value);
+  if (has_mask) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) value[k] *= s.mask;
+  }
+}
+
 // The columns' gradient where the backward's GEMM wrote it (ConvParams::column_index layout).
 template <typename scalar_t, typename index_t>
 struct GradColumnsBuffer {
@@ -65,13 +77,10 @@ DC_KERNEL void fill_columns_kernel(Geometry<index_t> g, Split split, const scala
     const index_t end = s.first_channel(g) + g.per_offset_group;
     for (index_t c = s.first_channel(g) + lanes.lane * V; c < end; c += lanes.lanes * V) {
       acc_t value[V];
-      interpolate<V>(g, input, s, c, value);
+      column_value<V>(g, input, mask != nullptr, s, c, value);
       Vector<scalar_t, V> out;
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        // The mask multiplies the interpolated value, so a non-finite mask propagates as a multiplication would.
-        out.v[k] = static_cast<scalar_t>(mask != nullptr ? value[k] * s.mask : value[k]);
-      }
+      for (int k = 0; k < V; ++k) out.v[k] = static_cast<scalar_t>(value[k]);
       store_vector<V>(columns + g.column_index(s.n_local, s.pixel, s.tap, c), out);
     }
   }
