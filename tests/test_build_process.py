@@ -89,10 +89,13 @@ except KeyboardInterrupt:
 
 def test_interrupting_the_importer_stops_its_compile_and_raises_keyboard_interrupt(tmp_path):
     tools = tmp_path / "tools"
+    # SIGINT back to its default in the importer, so that Python installs its handler there even where this test
+    # runs with SIGINT ignored (a background job of a shell without job control inherits that).
     importer = subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE_IMPORT], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                 env=child_env(tmp_path / "cache", CXX=str(slow_compiler(tools))),
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         compiles = wait_for_compiles(tools)
         importer.send_signal(signal.SIGINT)  # to the importer alone, as "interrupt kernel" does
