@@ -49,21 +49,23 @@ at::Tensor column_buffer(const SamplingPasses& passes, const ConvParams& p, int6
 
 const std::vector<int64_t> kOnes{1, 1}, kZeros{0, 0};
 
-// sum += a x b, where `sum` may be float while a and b are half or bfloat16 (the weight's gradient sums over
-// every image in float). On a GPU since torch 2.8 the product itself runs on the half types' tensor cores with a
-// float result; otherwise the factors are widened first.
+// sum += a x b, for matrices or batches of them, where `sum` may be float while a and b are half or bfloat16 (the
+// weight's gradient sums over every image in float). On a GPU since torch 2.8 the product itself runs on the half
+// types' tensor cores with a float result; otherwise the factors are widened first.
 void add_product(at::Tensor sum, const at::Tensor& a, const at::Tensor& b) {
+  const bool batched = a.dim() == 3;
+  auto accumulate = [&](const at::Tensor& x, const at::Tensor& y) { batched ? sum.baddbmm_(x, y) : sum.addmm_(x, y); };
   if (sum.scalar_type() == a.scalar_type()) {
-    sum.addmm_(a, b);
+    accumulate(a, b);
     return;
   }
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
-  if (sum.is_cuda()) {  // (mm's out_dtype has only a CUDA kernel; the CUDA simulation runs on the CPU)
-    sum.add_(at::mm(a, b, sum.scalar_type()));
+  if (sum.is_cuda()) {  // (the out_dtype products have only CUDA kernels; the CUDA simulation runs on the CPU)
+    sum.add_(batched ? at::bmm(a, b, sum.scalar_type()) : at::mm(a, b, sum.scalar_type()));
     return;
   }
 #endif
-  sum.addmm_(a.to(sum.scalar_type()), b.to(sum.scalar_type()));
+  accumulate(a.to(sum.scalar_type()), b.to(sum.scalar_type()));
 }
 
 // The CPU backward's GEMMs for images [first, first + images), image by image and group by group, with plain GEMMs
@@ -89,21 +91,6 @@ void backward_gemms_with_aten(const ConvParams& p, const at::Tensor& grad_output
   }
 }
 
-
-// A batched product where sum may be float while a and b are half or bfloat16, as add_product.
-void add_batched_product(at::Tensor sum, const at::Tensor& a, const at::Tensor& b) {
-  if (sum.scalar_type() == a.scalar_type()) {
-    sum.baddbmm_(a, b);
-    return;
-  }
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
-  if (sum.is_cuda()) {
-    sum.add_(at::bmm(a, b, sum.scalar_type()));
-    return;
-  }
-#endif
-  sum.baddbmm_(a.to(sum.scalar_type()), b.to(sum.scalar_type()));
-}
 
 // The forward's GEMMs of one chunk as batched GEMMs (cuBLAS), straight into the output: for image n and weight
 // group g, [C_out/G, taps * C_in/G] x [taps * C_in/G, H_out*W_out]. Batched over the chunk's images (the weight
@@ -148,7 +135,7 @@ void chunk_gemms_backward(const ConvParams& p, const at::Tensor& grad_rows, cons
   const int64_t out_per_group = p.out_channels_per_group(), rows = images * p.out_pixels();
   at::Tensor columns = chunk_columns.permute({0, 2, 3, 1}).view({rows, p.groups, per_group}).permute({1, 0, 2});
   const at::Tensor grad = grad_rows.view({rows, p.groups, out_per_group}).permute({1, 0, 2});  // [G, M, C_out/G]
-  add_batched_product(grad_weights.view({p.groups, out_per_group, per_group}), grad.transpose(1, 2), columns);
+  add_product(grad_weights.view({p.groups, out_per_group, per_group}), grad.transpose(1, 2), columns);
   // Half types: cuBLAS multiplies on the tensor cores and accumulates in float, then rounds once.
   at::bmm_out(columns, grad, weight_matrix.view({p.groups, out_per_group, per_group}));
 }

@@ -54,19 +54,21 @@ def load_cuda_simulation(int32_limit: Optional[int] = None, shuffle_blocks: bool
     """
     global _loaded
     limit = GPU_INT32_LIMIT if int32_limit is None else int32_limit
-    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= GPU_INT32_LIMIT:
+    if not _is_int_at_least(limit, 1) or limit > GPU_INT32_LIMIT:
         raise ValueError(f"int32_limit must be an int in [1, 2**30] or None, got {int32_limit!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+    if not _is_int_at_least(seed, 0):
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-    if budget_bytes is not None and (not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool)
-                                     or budget_bytes < 1):
-        raise ValueError(f"budget_bytes must be a positive int or None, got {budget_bytes!r}")
-    if max_blocks is not None and (not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 1):
-        raise ValueError(f"max_blocks must be a positive int or None, got {max_blocks!r}")
+    for name, value in (("budget_bytes", budget_bytes), ("max_blocks", max_blocks)):
+        if value is not None and not _is_int_at_least(value, 1):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
     if _loaded is None:
         _loaded = _loader.load(Variant("cuda_simulation", sanitize=_settings.sanitizers()))
     torch.ops.deform_conv_sim.configure(limit, bool(shuffle_blocks), seed, budget_bytes or 0, max_blocks or 0)
     return _loaded
+
+
+def _is_int_at_least(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 def simulation_statistics() -> SimulationStatistics:

@@ -180,9 +180,8 @@ bool complete_shuffles(Block& block, int64_t block_index) {
 // Runs on a fiber's stack, where nothing may throw (an exception cannot unwind past the fiber's entry): the
 // value size is checked at compile time (simt.h), and a shuffle outside a kernel cannot happen on a fiber.
 void exchange_xor(void* value, int bytes, int delta) {
-  if (current_block == nullptr || current_block->running < 0) {
-    TORCH_CHECK(false, "CUDA simulation: a shuffle outside a kernel");  // on the host stack: throwing is fine
-  }
+  // Outside a kernel there is no fiber: this throws on the host stack.
+  TORCH_CHECK(current_block != nullptr && current_block->running >= 0, "CUDA simulation: a shuffle outside a kernel");
   Fiber& fiber = current_block->fibers[current_block->running];
   std::memcpy(fiber.value.data(), value, bytes);
   fiber.bytes = bytes;
