@@ -12,7 +12,7 @@ from typing import Tuple as _Tuple
 from ._version import __version__
 from ._errors import BuildError
 from ._loader import LoadedLibrary, cache_root
-from . import _loader, _ops, _settings, _variant
+from . import _loader, _ms_deform_attn, _ops, _settings, _variant
 
 libraries: _Tuple[LoadedLibrary, ...] = ()  # what was loaded, from where, and whether it was just built
 
@@ -40,6 +40,7 @@ def _load_libraries() -> _Tuple[LoadedLibrary, ...]:
                 break  # the CUDA library implements the schemas the CPU library defines
     libraries = tuple(loaded)
     _ops.use_compiled_kernels({lib.variant.kind for lib in libraries})
+    _ms_deform_attn.use_compiled_kernels()
     return libraries
 
 
@@ -59,7 +60,8 @@ if not _invoked_as_command_line():
     _load_libraries()
 
 from ._ops import deform_conv2d  # noqa: E402
-from ._reference import deform_conv2d_reference  # noqa: E402
+from ._ms_deform_attn import ms_deform_attn  # noqa: E402
+from ._reference import deform_conv2d_reference, ms_deform_attn_reference  # noqa: E402
 from .nn import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack  # noqa: E402
 from .compat import convert_modules  # noqa: E402
 
@@ -75,4 +77,6 @@ __all__ = [
     "deform_conv2d",
     "deform_conv2d_reference",
     "libraries",
+    "ms_deform_attn",
+    "ms_deform_attn_reference",
 ]

@@ -3,21 +3,34 @@ and the opt-in ahead-of-time build (setup.py). Plain data, no imports, so setup.
 
 CSRC_DIR = "csrc"  # relative to the package directory
 
+# Each op's sources live under csrc/<op>/; what they share (the schemas, the sampling math, the CUDA execution
+# layer and its simulation) directly under csrc/.
+_DEFORM_CONV2D = "deform_conv2d/"
+_MS_DEFORM_ATTN = "ms_deform_attn/"
+
 # The CPU library holds every schema (ops.cpp) and the CPU kernels.
 CPU_SOURCES = (
-    "ops.cpp", "conv_params.cpp", "columns_driver.cpp",
-    "cpu/sampling_passes.cpp", "cpu/scratch.cpp", "cpu/depthwise.cpp", "cpu/transpose.cpp", "cpu/brgemm.cpp",
-    "cpu/tiled_forward.cpp", "cpu/deform_conv_cpu.cpp",
+    "ops.cpp",
+    *(_DEFORM_CONV2D + name for name in (
+        "conv_params.cpp", "columns_driver.cpp", "cpu/sampling_passes.cpp", "cpu/scratch.cpp", "cpu/depthwise.cpp",
+        "cpu/transpose.cpp", "cpu/brgemm.cpp", "cpu/tiled_forward.cpp", "cpu/deform_conv_cpu.cpp")),
+    *(_MS_DEFORM_ATTN + name for name in ("attention_params.cpp", "cpu/ms_deform_attn_cpu.cpp")),
 )
 
 # The CUDA library holds only CUDA kernels; it is loaded after the CPU library, whose schemas it implements.
 # The device-independent sources are compiled into both: libraries are loaded with local symbol visibility.
-CUDA_SOURCES = ("conv_params.cpp", "columns_driver.cpp", "cuda/deform_conv_cuda.cu")
+CUDA_SOURCES = (
+    *(_DEFORM_CONV2D + name for name in ("conv_params.cpp", "columns_driver.cpp", "cuda/deform_conv_cuda.cu")),
+    *(_MS_DEFORM_ATTN + name for name in ("attention_params.cpp", "cuda/ms_deform_attn_cuda.cu")),
+)
 
 # The CUDA simulation, for the tests only (deform_conv.testing.load_cuda_simulation): the CUDA kernels' source
 # compiled by the host compiler against cuda_simulation/simt.h, registered as torch.ops.deform_conv_sim.*.
-CUDA_SIMULATION_SOURCES = ("conv_params.cpp", "columns_driver.cpp", "cuda_simulation/simt.cpp",
-                           "cuda_simulation/kernels.cpp")
+CUDA_SIMULATION_SOURCES = (
+    *(_DEFORM_CONV2D + name for name in ("conv_params.cpp", "columns_driver.cpp")),
+    _MS_DEFORM_ATTN + "attention_params.cpp",
+    "cuda_simulation/simt.cpp", "cuda_simulation/deform_conv2d_kernels.cpp", "cuda_simulation/ms_deform_attn_kernels.cpp",
+)
 
 # -fopenmp makes at::parallel_for use threads (its OpenMP backend is header code compiled into the library). With
 # GCC the link names the OpenMP runtime torch loaded instead of -fopenmp's -lgomp (_compile.link_flags), so

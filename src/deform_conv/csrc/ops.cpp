@@ -2,13 +2,15 @@
 // TORCH_LIBRARY_IMPL(deform_conv, <DispatchKey>, m); autograd and fake kernels live in Python (_ops.py).
 #include <torch/library.h>
 
-#include "cpu/brgemm.h"
-#include "cpu/scratch.h"
+#include "deform_conv2d/cpu/brgemm.h"
+#include "deform_conv2d/cpu/scratch.h"
 #include "schemas.h"
 
 TORCH_LIBRARY(deform_conv, m) {
   m.def(deform_conv::kDeformConv2dSchema);
   m.def(deform_conv::kDeformConv2dBackwardSchema);
+  m.def(deform_conv::kMsDeformAttnSchema);
+  m.def(deform_conv::kMsDeformAttnBackwardSchema);
   // Bytes of scratch memory the CPU kernels keep between calls, over all threads (cpu/scratch.h).
   m.def("kept_scratch_bytes() -> int", &deform_conv::cpu::kept_scratch_bytes);
   // Whether float32 layers run their GEMMs on ATen's batch-reduce GEMM here, now (cpu/brgemm.h).

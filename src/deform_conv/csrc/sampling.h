@@ -121,6 +121,16 @@ DC_HOST_DEVICE inline BilinearSample<T> bilinear_sample(T y, T x, int64_t height
   return s;
 }
 
+// grid_sample's convention (align_corners=False; multi-scale deformable attention): a location u in [0, 1] spans
+// `size` pixels, pixel i's centre at (i + 0.5) / size, so its pixel coordinate is u * size - 0.5 (and
+// d coordinate / d u = size). Sampled with bilinear_point / bilinear_sample and BorderGradient::torchvision, this
+// is grid_sample's bilinear sampling with zero padding, derivatives included: a corner outside the image adds
+// nothing, and at integer coordinates the derivative is the one-sided one from above.
+template <typename T>
+DC_HOST_DEVICE inline T half_pixel_coordinate(T u, int64_t size) {
+  return u * static_cast<T>(size) - T(0.5);
+}
+
 // Where a point's sums (its value, d value / d y, d value / d x) start before its neighbours are added: 0, or
 // NaN for a NaN coordinate, so that all of them come out NaN.
 template <typename T>

@@ -20,4 +20,17 @@ constexpr const char* kDeformConv2dBackwardSchema =
     "int[2] stride, int[2] padding, int[2] dilation, bool bias_defined, str border_gradient=\"torchvision\") "
     "-> (Tensor grad_input, Tensor grad_offset, Tensor grad_weight, Tensor? grad_mask, Tensor? grad_bias)";
 
+// Multi-scale deformable attention (Deformable DETR): value [N, S, M, D] (S = sum of H_l * W_l), spatial_shapes
+// [L, 2] int64 (H_l, W_l), level_start_index [L] int64, sampling_locations [N, Lq, M, L, P, 2] (x, y in [0, 1],
+// grid_sample's align_corners=False), attention_weights [N, Lq, M, L, P] -> output [N, Lq, M * D].
+constexpr const char* kMsDeformAttnSchema =
+    "ms_deform_attn(Tensor value, Tensor spatial_shapes, Tensor level_start_index, Tensor sampling_locations, "
+    "Tensor attention_weights) -> Tensor";
+
+// Its gradients with respect to value, sampling_locations and attention_weights.
+constexpr const char* kMsDeformAttnBackwardSchema =
+    "ms_deform_attn_backward(Tensor grad_output, Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
+    "Tensor sampling_locations, Tensor attention_weights) "
+    "-> (Tensor grad_value, Tensor grad_sampling_locations, Tensor grad_attention_weights)";
+
 }  // namespace deform_conv

@@ -276,6 +276,8 @@ std::vector<int64_t> statistics() {
 TORCH_LIBRARY(deform_conv_sim, m) {
   m.def(deform_conv::kDeformConv2dSchema);
   m.def(deform_conv::kDeformConv2dBackwardSchema);
+  m.def(deform_conv::kMsDeformAttnSchema);
+  m.def(deform_conv::kMsDeformAttnBackwardSchema);
   m.def("configure(int int32_limit, bool shuffle_blocks, int seed, int budget_bytes, int max_blocks) -> ()",
         &configure);
   m.def("statistics() -> int[]", &statistics);

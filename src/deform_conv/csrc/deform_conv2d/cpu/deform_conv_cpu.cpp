@@ -7,10 +7,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__clang__) && defined(_OPENMP)
-#include <omp.h>
-#endif
-
+#include "../../cpu_threads.h"
 #include "../columns_driver.h"
 #include "brgemm.h"
 #include "depthwise.h"
@@ -67,16 +64,6 @@ std::optional<at::Tensor> widened(const std::optional<at::Tensor>& t) {
 }
 std::optional<at::Tensor> narrowed(const std::optional<at::Tensor>& t, at::ScalarType dtype) {
   return t.has_value() ? std::optional<at::Tensor>(t->to(dtype)) : std::nullopt;
-}
-
-// With GCC the library runs its parallel loops on the OpenMP runtime torch loaded (_compile.link_flags), which
-// torch.set_num_threads sets. Clang emits calls only LLVM's runtime has, so a Clang build has a runtime of its
-// own: give it torch's thread count on every call, which is per calling thread and cheap to set.
-void follow_torch_thread_count() {
-#if defined(__clang__) && defined(_OPENMP)
-  const int threads = at::get_num_threads();
-  if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
-#endif
 }
 
 at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,

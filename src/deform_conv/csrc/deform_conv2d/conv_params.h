@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "sampling.h"
+#include "../sampling.h"
 
 namespace deform_conv {
 

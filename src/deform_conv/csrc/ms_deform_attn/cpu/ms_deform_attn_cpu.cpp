@@ -1,0 +1,196 @@
+// CPU backend of multi-scale deformable attention: every dtype computed natively, the half types accumulating in
+// float32 (at::opmath_type) and rounded once.
+//
+// Each sampling location's neighbours and weights come from the shared math (sampling.h) once, for all D channels
+// of its head; the loops over channels are plain contiguous loops (value's channels are innermost), which the
+// compiler vectorises.
+//
+// The forward splits the rows (image, query) between threads; each row's output is written once. The backward
+// splits (image, head, level) between threads: one task owns its slice of value's gradient (that level's pixels
+// of that head) and its points' location and weight gradients, and walks its queries and points in order, so
+// every sum is taken in one fixed order: the gradients are bitwise the same for any thread count.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "../../cpu_threads.h"
+#include "../attention_params.h"
+
+namespace deform_conv {
+namespace cpu {
+namespace {
+
+struct Level {
+  int64_t height, width, start;  // spatial_shapes[l] and level_start_index[l]
+};
+
+std::vector<Level> read_levels(const AttentionParams& p, const at::Tensor& spatial_shapes,
+                               const at::Tensor& level_start_index) {
+  const at::Tensor shapes = spatial_shapes.contiguous(), starts = level_start_index.contiguous();
+  const int64_t* hw = shapes.const_data_ptr<int64_t>();
+  const int64_t* start = starts.const_data_ptr<int64_t>();
+  std::vector<Level> levels(p.levels);
+  for (int64_t l = 0; l < p.levels; ++l) levels[l] = {hw[2 * l], hw[2 * l + 1], start[l]};
+  return levels;
+}
+
+// The neighbours and weights of the location (x, y) at `location` in `level`.
+template <typename acc_t, typename scalar_t>
+BilinearSample<acc_t> sample_at(const scalar_t* location, const Level& level) {
+  const acc_t x = half_pixel_coordinate(static_cast<acc_t>(location[0]), level.width);
+  const acc_t y = half_pixel_coordinate(static_cast<acc_t>(location[1]), level.height);
+  return bilinear_sample(y, x, level.height, level.width);
+}
+
+// sample[d] = the bilinear interpolation of channel d at s (NaN for a NaN location); `image` is the level's
+// first pixel of the head, pixels `pixel_stride` apart.
+template <typename acc_t, typename scalar_t>
+void interpolate(const BilinearSample<acc_t>& s, const scalar_t* __restrict__ image, int64_t pixel_stride,
+                 int64_t channels, acc_t* __restrict__ sample) {
+  const acc_t start = sum_start(s);
+  for (int64_t d = 0; d < channels; ++d) sample[d] = start;
+  for (int k = 0; k < s.count; ++k) {
+    const scalar_t* __restrict__ v = image + s.pixel[k] * pixel_stride;
+    const acc_t w = s.weight[k];
+    for (int64_t d = 0; d < channels; ++d) sample[d] += w * static_cast<acc_t>(v[d]);
+  }
+}
+
+// About this many sampling points (times D channels) a task: enough to outweigh a task's cost.
+constexpr int64_t kPointsPerTask = 2048;
+
+template <typename scalar_t>
+void forward_rows(const AttentionParams& p, const std::vector<Level>& levels, const scalar_t* value,
+                  const scalar_t* locations, const scalar_t* weights, scalar_t* output) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t channels = p.channels, pixel_stride = p.heads * p.channels;
+  const int64_t grain = std::max<int64_t>(1, kPointsPerTask / std::max<int64_t>(1, p.heads * p.levels * p.points));
+  at::parallel_for(0, p.batch * p.queries, grain, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> sum(channels), sample(channels);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t n = row / p.queries, q = row % p.queries;
+      for (int64_t m = 0; m < p.heads; ++m) {
+        std::fill(sum.begin(), sum.end(), acc_t(0));
+        for (int64_t l = 0; l < p.levels; ++l) {
+          const scalar_t* image = value + p.value_index(n, levels[l].start, m);
+          for (int64_t pt = 0; pt < p.points; ++pt) {
+            const int64_t point = p.point_index(n, q, m, l, pt);
+            interpolate(sample_at<acc_t>(locations + 2 * point, levels[l]), image, pixel_stride, channels,
+                        sample.data());
+            const acc_t w = static_cast<acc_t>(weights[point]);
+            acc_t* __restrict__ s = sum.data();
+            const acc_t* __restrict__ v = sample.data();
+            for (int64_t d = 0; d < channels; ++d) s[d] += w * v[d];
+          }
+        }
+        scalar_t* out = output + p.output_index(n, q, m);
+        for (int64_t d = 0; d < channels; ++d) out[d] = static_cast<scalar_t>(sum[d]);
+      }
+    }
+  });
+}
+
+// grad_value is in the accumulation type (float32 for the half types), zero on entry.
+template <typename scalar_t>
+void backward_tasks(const AttentionParams& p, const std::vector<Level>& levels, const scalar_t* value,
+                    const scalar_t* locations, const scalar_t* weights, const scalar_t* grad_output,
+                    at::opmath_type<scalar_t>* grad_value, scalar_t* grad_locations, scalar_t* grad_weights) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t channels = p.channels, pixel_stride = p.heads * p.channels;
+  at::parallel_for(0, p.batch * p.heads * p.levels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> grad(channels);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t l = task % p.levels, m = (task / p.levels) % p.heads, n = task / (p.levels * p.heads);
+      const Level& level = levels[l];
+      const scalar_t* image = value + p.value_index(n, level.start, m);
+      acc_t* grad_image = grad_value + p.value_index(n, level.start, m);
+      for (int64_t q = 0; q < p.queries; ++q) {
+        const scalar_t* g = grad_output + p.output_index(n, q, m);
+        for (int64_t d = 0; d < channels; ++d) grad[d] = static_cast<acc_t>(g[d]);
+        const acc_t* __restrict__ gd = grad.data();
+        for (int64_t pt = 0; pt < p.points; ++pt) {
+          const int64_t point = p.point_index(n, q, m, l, pt);
+          const BilinearSample<acc_t> s = sample_at<acc_t>(locations + 2 * point, level);
+          const acc_t w = static_cast<acc_t>(weights[point]);
+          // d loss / d (the sample), d x, d y, each sum over the neighbours of weight * (grad . neighbour).
+          acc_t grad_w = sum_start(s), grad_x = sum_start(s), grad_y = sum_start(s);
+          for (int k = 0; k < s.count; ++k) {
+            const scalar_t* __restrict__ v = image + s.pixel[k] * pixel_stride;
+            acc_t dot = 0;
+            for (int64_t d = 0; d < channels; ++d) dot += gd[d] * static_cast<acc_t>(v[d]);
+            grad_w += s.weight[k] * dot;
+            grad_x += s.weight_dx[k] * dot;
+            grad_y += s.weight_dy[k] * dot;
+            acc_t* __restrict__ gv = grad_image + s.pixel[k] * pixel_stride;
+            const acc_t c = w * s.weight[k];
+            for (int64_t d = 0; d < channels; ++d) gv[d] += c * gd[d];
+          }
+          grad_weights[point] = static_cast<scalar_t>(grad_w);
+          // The pixel coordinate is location * size - 0.5: its derivative is size.
+          grad_locations[2 * point] = static_cast<scalar_t>(
+              static_cast<acc_t>(level.width) * coordinate_grad(s, w, grad_x, BorderGradient::torchvision));
+          grad_locations[2 * point + 1] = static_cast<scalar_t>(
+              static_cast<acc_t>(level.height) * coordinate_grad(s, w, grad_y, BorderGradient::torchvision));
+        }
+      }
+    }
+  });
+}
+
+#define MS_DEFORM_ATTN_DISPATCH(TYPE, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, TYPE, NAME, __VA_ARGS__)
+
+at::Tensor forward(const at::Tensor& value, const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+                   const at::Tensor& sampling_locations, const at::Tensor& attention_weights) {
+  follow_torch_thread_count();
+  const AttentionParams p =
+      make_attention_params(value, spatial_shapes, level_start_index, sampling_locations, attention_weights);
+  const std::vector<Level> levels = read_levels(p, spatial_shapes, level_start_index);
+  const at::Tensor v = value.contiguous(), loc = sampling_locations.contiguous(), w = attention_weights.contiguous();
+  at::Tensor output = at::empty({p.batch, p.queries, p.heads * p.channels}, value.options());
+  MS_DEFORM_ATTN_DISPATCH(value.scalar_type(), "ms_deform_attn_cpu", [&] {
+    forward_rows<scalar_t>(p, levels, v.const_data_ptr<scalar_t>(), loc.const_data_ptr<scalar_t>(),
+                           w.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>());
+  });
+  return output;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& grad_output, const at::Tensor& value,
+                                                        const at::Tensor& spatial_shapes,
+                                                        const at::Tensor& level_start_index,
+                                                        const at::Tensor& sampling_locations,
+                                                        const at::Tensor& attention_weights) {
+  follow_torch_thread_count();
+  const AttentionParams p =
+      make_attention_params(value, spatial_shapes, level_start_index, sampling_locations, attention_weights);
+  check_attention_grad_output(p, grad_output, value);
+  const std::vector<Level> levels = read_levels(p, spatial_shapes, level_start_index);
+  const at::Tensor v = value.contiguous(), loc = sampling_locations.contiguous(), w = attention_weights.contiguous();
+  const at::Tensor g = grad_output.contiguous();
+  const at::ScalarType acc_type = at::toOpMathType(value.scalar_type());
+  at::Tensor grad_value = at::zeros(value.sizes(), value.options().dtype(acc_type));
+  // Every element of these two is written once.
+  at::Tensor grad_locations = at::empty(loc.sizes(), loc.options());
+  at::Tensor grad_weights = at::empty(w.sizes(), w.options());
+  MS_DEFORM_ATTN_DISPATCH(value.scalar_type(), "ms_deform_attn_backward_cpu", [&] {
+    backward_tasks<scalar_t>(p, levels, v.const_data_ptr<scalar_t>(), loc.const_data_ptr<scalar_t>(),
+                             w.const_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(),
+                             grad_value.mutable_data_ptr<at::opmath_type<scalar_t>>(),
+                             grad_locations.mutable_data_ptr<scalar_t>(), grad_weights.mutable_data_ptr<scalar_t>());
+  });
+  return {grad_value.to(value.scalar_type()), grad_locations, grad_weights};
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace deform_conv
+
+TORCH_LIBRARY_IMPL(deform_conv, CPU, m) {
+  m.impl("ms_deform_attn", &deform_conv::cpu::forward);
+  m.impl("ms_deform_attn_backward", &deform_conv::cpu::backward);
+}
