@@ -43,7 +43,10 @@ def test_cuda_library_compiles_for_sm90(tmp_path):
 
 
 KERNELS = ("fill_columns_kernel", "coordinate_grads_kernel", "input_grad_atomic_kernel", "entry_keys_kernel",
-           "input_grad_gather_kernel", "depthwise_forward_kernel", "depthwise_weight_partials_kernel")
+           "input_grad_gather_kernel", "depthwise_forward_kernel", "depthwise_weight_partials_kernel",
+           # multi-scale deformable attention
+           "attention_forward_kernel", "attention_backward_kernel", "attention_entry_keys_kernel",
+           "attention_value_grad_gather_kernel")
 
 
 def check_no_local_memory(log: str) -> None:

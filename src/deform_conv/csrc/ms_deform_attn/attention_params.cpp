@@ -40,7 +40,7 @@ void check_levels(const at::Tensor& spatial_shapes, const at::Tensor& level_star
 
 AttentionParams make_attention_params(const at::Tensor& value, const at::Tensor& spatial_shapes,
                                       const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-                                      const at::Tensor& attention_weights) {
+                                      const at::Tensor& attention_weights, bool check_level_values) {
   check_dense(value, "value", 4, "[batch, pixels, heads, channels]");
   check_dense(spatial_shapes, "spatial_shapes", 2, "[levels, 2] (height, width)");
   check_dense(level_start_index, "level_start_index", 1, "[levels]");
@@ -82,7 +82,7 @@ AttentionParams make_attention_params(const at::Tensor& value, const at::Tensor&
   const std::vector<int64_t> weights{p.batch, p.queries, p.heads, p.levels, p.points};
   TORCH_CHECK(attention_weights.sizes() == c10::IntArrayRef(weights), "attention_weights must have shape ",
               c10::IntArrayRef(weights), " [batch, queries, heads, levels, points], got ", attention_weights.sizes());
-  if (spatial_shapes.device().is_cpu()) check_levels(spatial_shapes, level_start_index, p.pixels);
+  if (check_level_values) check_levels(spatial_shapes, level_start_index, p.pixels);
   return p;
 }
 

@@ -32,18 +32,19 @@ struct AttentionParams {
 };
 
 // Checks every tensor against the others (the backstop behind the Python checks, for direct torch.ops calls)
-// and returns the sizes. Where spatial_shapes and level_start_index live on the CPU, their values too
-// (levels at least 1x1, one after another, filling value's pixels); on a GPU reading them would cost a device
-// synchronisation a call, so there the kernels check each level before they read it (level_fits).
+// and returns the sizes. With `check_level_values` (the CPU backend) the values of spatial_shapes and
+// level_start_index too: levels at least 1x1, one after another, filling value's pixels. The CUDA backend does not
+// read them (on a GPU that would cost a device synchronisation a call): its kernels check each level before they
+// read it (level_fits).
 AttentionParams make_attention_params(const at::Tensor& value, const at::Tensor& spatial_shapes,
                                       const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-                                      const at::Tensor& attention_weights);
+                                      const at::Tensor& attention_weights, bool check_level_values);
 
 void check_attention_grad_output(const AttentionParams& p, const at::Tensor& grad_output, const at::Tensor& value);
 
 // Whether a level of height x width pixels starting at `start` lies inside value's `pixels`. The kernels sample
-// NaN from a level that does not (it reads nothing): only GPU calls can get that far, as the checks above reject
-// such levels on the CPU.
+// NaN from a level that does not (it reads nothing): only CUDA calls can get that far, as the checks above
+// reject such levels on the CPU.
 DC_HOST_DEVICE inline bool level_fits(int64_t start, int64_t height, int64_t width, int64_t pixels) {
   // width <= pixels / height: height * width cannot overflow.
   return start >= 0 && height >= 1 && width >= 1 && width <= pixels / height && start <= pixels - height * width;

@@ -29,17 +29,10 @@ namespace deform_conv {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;  // a multiple of the warp: the coordinate kernel's shuffles need whole warps
-
 // 256 MiB of columns per chunk: large enough that the GEMMs fill the GPU. The deterministic input gradient's
 // keys and the depthwise path's channels-last rows (of the output, or of grad_output) keep to the same budget.
 constexpr int64_t kBudgetBytes = int64_t(256) << 20;
 
-int64_t blocks_for(int64_t threads) {
-  // Grid-stride loops cover the rest; 2^20 blocks keep every SM busy on any GPU. (The simulation may cap the grid
-  // lower, so that the tests run the loops' later iterations too.)
-  return grid_blocks(std::max<int64_t>(1, std::min<int64_t>((threads + kThreads - 1) / kThreads, int64_t(1) << 20)));
-}
 
 // The kernels' index arithmetic (loop counters, the divisions that split a flat index, every element index) runs
 // in 32 bits when every flat index of every tensor they touch stays below 2^30 (int32_index_limit): the columns
@@ -60,13 +53,7 @@ bool fits_int32(const ConvParams& p, int64_t images) {
 
 template <typename F>
 void with_index_type(const ConvParams& p, int64_t images, F&& f) {
-  if (fits_int32(p, images)) {
-    note_index_bits(32);
-    f(int32_t(0));
-  } else {
-    note_index_bits(64);
-    f(int64_t(0));
-  }
+  with_index_width(fits_int32(p, images), f);
 }
 
 #define DEFORM_CONV_DISPATCH(TYPE, NAME, ...) \
@@ -90,12 +77,6 @@ bool wide_vectors_fit(const ConvParams& p, bool columns, std::initializer_list<c
   return fit;
 }
 
-// The smallest power of two of lanes that covers `vectors` channel vectors, at most a warp.
-Split split_for(int64_t vectors) {
-  int log2 = 0;
-  while (log2 < 5 && (int64_t(1) << log2) < vectors) ++log2;
-  return Split{log2};
-}
 
 // Calls f(index_t(0), std::integral_constant<int, V>()) with the index type and vector width chosen for this call.
 template <typename scalar_t, typename F>

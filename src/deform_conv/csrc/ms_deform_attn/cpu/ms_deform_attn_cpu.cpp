@@ -149,7 +149,8 @@ at::Tensor forward(const at::Tensor& value, const at::Tensor& spatial_shapes, co
                    const at::Tensor& sampling_locations, const at::Tensor& attention_weights) {
   follow_torch_thread_count();
   const AttentionParams p =
-      make_attention_params(value, spatial_shapes, level_start_index, sampling_locations, attention_weights);
+      make_attention_params(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                            /*check_level_values=*/true);
   const std::vector<Level> levels = read_levels(p, spatial_shapes, level_start_index);
   const at::Tensor v = value.contiguous(), loc = sampling_locations.contiguous(), w = attention_weights.contiguous();
   at::Tensor output = at::empty({p.batch, p.queries, p.heads * p.channels}, value.options());
@@ -167,7 +168,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& grad_o
                                                         const at::Tensor& attention_weights) {
   follow_torch_thread_count();
   const AttentionParams p =
-      make_attention_params(value, spatial_shapes, level_start_index, sampling_locations, attention_weights);
+      make_attention_params(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                            /*check_level_values=*/true);
   check_attention_grad_output(p, grad_output, value);
   const std::vector<Level> levels = read_levels(p, spatial_shapes, level_start_index);
   const at::Tensor v = value.contiguous(), loc = sampling_locations.contiguous(), w = attention_weights.contiguous();
