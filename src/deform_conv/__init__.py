@@ -62,7 +62,7 @@ if not _invoked_as_command_line():
 from ._ops import deform_conv2d  # noqa: E402
 from ._ms_deform_attn import ms_deform_attn  # noqa: E402
 from ._reference import deform_conv2d_reference, ms_deform_attn_reference  # noqa: E402
-from .nn import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack  # noqa: E402
+from .nn import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack, MSDeformAttn  # noqa: E402
 from .compat import convert_modules  # noqa: E402
 
 __all__ = [
@@ -70,6 +70,7 @@ __all__ = [
     "DeformConv2d",
     "DeformConv2dPack",
     "LoadedLibrary",
+    "MSDeformAttn",
     "ModulatedDeformConv2dPack",
     "__version__",
     "cache_root",
