@@ -178,7 +178,7 @@ def test_importing_deform_conv_does_not_import_transformers():
 
 def test_finding_nothing_to_patch_is_a_warning(monkeypatch):
     """As with a transformers older than its MultiScaleDeformableAttention class: nothing found, nothing patched."""
-    monkeypatch.setattr(deform_conv.compat, "_transformers_targets", lambda: [])
+    monkeypatch.setattr(deform_conv.compat.transformers_patch, "_transformers_targets", lambda: [])
     with pytest.warns(UserWarning, match=r"patch_transformers: transformers \S+ has no MultiScaleDeformableAttention "
                                          r"class nor multi_scale_deformable_attention function .* nothing was patched"):
         assert patch_transformers() == ()
