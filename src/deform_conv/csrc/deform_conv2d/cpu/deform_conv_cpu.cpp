@@ -7,7 +7,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "../../cpu_threads.h"
+#include "../../cpu_kernels.h"
 #include "../columns_driver.h"
 #include "brgemm.h"
 #include "depthwise.h"

@@ -5,23 +5,12 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "../../cpu_kernels.h"
 #include "../conv_params.h"
 #include "sampling_passes.h"
 
 namespace deform_conv {
 namespace cpu {
-
-// The passes' loops over a range of rows or tasks are compiled three times, for baseline x86-64, AVX2 and
-// AVX-512, and the dynamic loader picks the best for the CPU it runs on (an ifunc): the library stays one
-// portable binary (a prebuilt cache entry may be copied to another machine) yet uses wide vectors. `flatten`
-// inlines every call in each copy (the helpers below, and the lambdas they take), so the inner loops are
-// compiled for that copy's instruction set: without it the compiler may keep a helper out of line, compiled
-// once for baseline x86-64, and the wide copies would only wrap it.
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-#define DC_CPU_DISPATCH __attribute__((target_clones("default", "avx2", "avx512f"), flatten))
-#else
-#define DC_CPU_DISPATCH
-#endif
 
 // (image, output pixel) rows per parallel task: enough work to amortise the task, small enough to balance.
 constexpr int64_t kRowsPerTask = 8;

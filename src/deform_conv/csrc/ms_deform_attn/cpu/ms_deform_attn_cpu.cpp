@@ -3,7 +3,8 @@
 //
 // Each sampling location's neighbours and weights come from the shared math (sampling.h) once, for all D channels
 // of its head; the loops over channels are plain contiguous loops (value's channels are innermost), which the
-// compiler vectorises.
+// compiler vectorises, for the widest instruction set the CPU has (DC_CPU_DISPATCH). A point whose four
+// neighbours all lie in the image (most of them) takes one pass over the channels for all four.
 //
 // The forward splits the rows (image, query) between threads; each row's output is written once. The backward
 // splits (image, head, level) between threads: one task owns its slice of value's gradient (that level's pixels
@@ -16,9 +17,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
-#include "../../cpu_threads.h"
+#include "../../cpu_kernels.h"
 #include "../attention_params.h"
 
 namespace deform_conv {
@@ -64,81 +66,150 @@ void interpolate(const BilinearSample<acc_t>& s, const scalar_t* __restrict__ im
 // About this many sampling points (times D channels) a task: enough to outweigh a task's cost.
 constexpr int64_t kPointsPerTask = 2048;
 
+// Output rows (image, query) [begin, end). `sum` and `sample` hold D values each.
 template <typename scalar_t>
-void forward_rows(const AttentionParams& p, const std::vector<Level>& levels, const scalar_t* value,
-                  const scalar_t* locations, const scalar_t* weights, scalar_t* output) {
+DC_CPU_DISPATCH void forward_rows(const AttentionParams& p, const Level* levels, const scalar_t* value,
+                                  const scalar_t* locations, const scalar_t* weights, scalar_t* output, int64_t begin,
+                                  int64_t end, at::opmath_type<scalar_t>* __restrict__ sum,
+                                  at::opmath_type<scalar_t>* __restrict__ sample) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t channels = p.channels, pixel_stride = p.heads * p.channels;
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t n = row / p.queries, q = row % p.queries;
+    for (int64_t m = 0; m < p.heads; ++m) {
+      for (int64_t d = 0; d < channels; ++d) sum[d] = 0;
+      for (int64_t l = 0; l < p.levels; ++l) {
+        const scalar_t* image = value + p.value_index(n, levels[l].start, m);
+        for (int64_t pt = 0; pt < p.points; ++pt) {
+          const int64_t point = p.point_index(n, q, m, l, pt);
+          const BilinearSample<acc_t> s = sample_at<acc_t>(locations + 2 * point, levels[l]);
+          const acc_t w = static_cast<acc_t>(weights[point]);
+          if (s.count == 4 && std::isfinite(w)) {
+            // All four neighbours in the image, a finite weight: one pass, the weight folded into the four
+            // bilinear weights. (Elsewhere the sample is formed first, so that an infinite weight times a sample
+            // of 0 is NaN, as the definition says.)
+            const scalar_t* __restrict__ v0 = image + s.pixel[0] * pixel_stride;
+            const scalar_t* __restrict__ v1 = image + s.pixel[1] * pixel_stride;
+            const scalar_t* __restrict__ v2 = image + s.pixel[2] * pixel_stride;
+            const scalar_t* __restrict__ v3 = image + s.pixel[3] * pixel_stride;
+            const acc_t c0 = w * s.weight[0], c1 = w * s.weight[1], c2 = w * s.weight[2], c3 = w * s.weight[3];
+            for (int64_t d = 0; d < channels; ++d) {
+              sum[d] += c0 * static_cast<acc_t>(v0[d]) + c1 * static_cast<acc_t>(v1[d]) +
+                        c2 * static_cast<acc_t>(v2[d]) + c3 * static_cast<acc_t>(v3[d]);
+            }
+            continue;
+          }
+          interpolate(s, image, pixel_stride, channels, sample);
+          for (int64_t d = 0; d < channels; ++d) sum[d] += w * sample[d];
+        }
+      }
+      scalar_t* out = output + p.output_index(n, q, m);
+      for (int64_t d = 0; d < channels; ++d) out[d] = static_cast<scalar_t>(sum[d]);
+    }
+  }
+}
+
+template <typename scalar_t>
+void forward_all(const AttentionParams& p, const std::vector<Level>& levels, const scalar_t* value,
+                 const scalar_t* locations, const scalar_t* weights, scalar_t* output) {
+  using acc_t = at::opmath_type<scalar_t>;
   const int64_t grain = std::max<int64_t>(1, kPointsPerTask / std::max<int64_t>(1, p.heads * p.levels * p.points));
   at::parallel_for(0, p.batch * p.queries, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> sum(channels), sample(channels);
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t n = row / p.queries, q = row % p.queries;
-      for (int64_t m = 0; m < p.heads; ++m) {
-        std::fill(sum.begin(), sum.end(), acc_t(0));
-        for (int64_t l = 0; l < p.levels; ++l) {
-          const scalar_t* image = value + p.value_index(n, levels[l].start, m);
-          for (int64_t pt = 0; pt < p.points; ++pt) {
-            const int64_t point = p.point_index(n, q, m, l, pt);
-            interpolate(sample_at<acc_t>(locations + 2 * point, levels[l]), image, pixel_stride, channels,
-                        sample.data());
-            const acc_t w = static_cast<acc_t>(weights[point]);
-            acc_t* __restrict__ s = sum.data();
-            const acc_t* __restrict__ v = sample.data();
-            for (int64_t d = 0; d < channels; ++d) s[d] += w * v[d];
-          }
-        }
-        scalar_t* out = output + p.output_index(n, q, m);
-        for (int64_t d = 0; d < channels; ++d) out[d] = static_cast<scalar_t>(sum[d]);
-      }
-    }
+    std::vector<acc_t> sum(p.channels), sample(p.channels);
+    forward_rows(p, levels.data(), value, locations, weights, output, begin, end, sum.data(), sample.data());
   });
 }
 
-// grad_value is in the accumulation type (float32 for the half types), zero on entry.
+// Tasks (image, head, level) [begin, end); grad_value is in the accumulation type, zero on entry. `grad` holds D
+// values.
 template <typename scalar_t>
-void backward_tasks(const AttentionParams& p, const std::vector<Level>& levels, const scalar_t* value,
-                    const scalar_t* locations, const scalar_t* weights, const scalar_t* grad_output,
-                    at::opmath_type<scalar_t>* grad_value, scalar_t* grad_locations, scalar_t* grad_weights) {
+DC_CPU_DISPATCH void backward_tasks(const AttentionParams& p, const Level* levels, const scalar_t* value,
+                                    const scalar_t* locations, const scalar_t* weights, const scalar_t* grad_output,
+                                    at::opmath_type<scalar_t>* grad_value, scalar_t* grad_locations,
+                                    scalar_t* grad_weights, int64_t begin, int64_t end,
+                                    at::opmath_type<scalar_t>* __restrict__ grad) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t channels = p.channels, pixel_stride = p.heads * p.channels;
-  at::parallel_for(0, p.batch * p.heads * p.levels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> grad(channels);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t l = task % p.levels, m = (task / p.levels) % p.heads, n = task / (p.levels * p.heads);
-      const Level& level = levels[l];
-      const scalar_t* image = value + p.value_index(n, level.start, m);
-      acc_t* grad_image = grad_value + p.value_index(n, level.start, m);
-      for (int64_t q = 0; q < p.queries; ++q) {
-        const scalar_t* g = grad_output + p.output_index(n, q, m);
-        for (int64_t d = 0; d < channels; ++d) grad[d] = static_cast<acc_t>(g[d]);
-        const acc_t* __restrict__ gd = grad.data();
-        for (int64_t pt = 0; pt < p.points; ++pt) {
-          const int64_t point = p.point_index(n, q, m, l, pt);
-          const BilinearSample<acc_t> s = sample_at<acc_t>(locations + 2 * point, level);
-          const acc_t w = static_cast<acc_t>(weights[point]);
-          // d loss / d (the sample), d x, d y, each sum over the neighbours of weight * (grad . neighbour).
-          acc_t grad_w = sum_start(s), grad_x = sum_start(s), grad_y = sum_start(s);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t l = task % p.levels, m = (task / p.levels) % p.heads, n = task / (p.levels * p.heads);
+    const Level& level = levels[l];
+    const scalar_t* image = value + p.value_index(n, level.start, m);
+    acc_t* grad_image = grad_value + p.value_index(n, level.start, m);
+    for (int64_t q = 0; q < p.queries; ++q) {
+      const scalar_t* g = grad_output + p.output_index(n, q, m);
+      for (int64_t d = 0; d < channels; ++d) grad[d] = static_cast<acc_t>(g[d]);
+      for (int64_t pt = 0; pt < p.points; ++pt) {
+        const int64_t point = p.point_index(n, q, m, l, pt);
+        const BilinearSample<acc_t> s = sample_at<acc_t>(locations + 2 * point, level);
+        const acc_t w = static_cast<acc_t>(weights[point]);
+        // dot[k] = grad . neighbour k; then d loss / d (the sample), d x and d y are sums over the neighbours
+        // of (its weight, or the weight's derivative) * dot[k].
+        acc_t dot[4] = {0, 0, 0, 0};
+        if (s.count == 4) {  // one pass over the channels for all four neighbours
+          const scalar_t* __restrict__ v0 = image + s.pixel[0] * pixel_stride;
+          const scalar_t* __restrict__ v1 = image + s.pixel[1] * pixel_stride;
+          const scalar_t* __restrict__ v2 = image + s.pixel[2] * pixel_stride;
+          const scalar_t* __restrict__ v3 = image + s.pixel[3] * pixel_stride;
+          acc_t* __restrict__ gv0 = grad_image + s.pixel[0] * pixel_stride;
+          acc_t* __restrict__ gv1 = grad_image + s.pixel[1] * pixel_stride;
+          acc_t* __restrict__ gv2 = grad_image + s.pixel[2] * pixel_stride;
+          acc_t* __restrict__ gv3 = grad_image + s.pixel[3] * pixel_stride;
+          const acc_t c0 = w * s.weight[0], c1 = w * s.weight[1], c2 = w * s.weight[2], c3 = w * s.weight[3];
+          acc_t dot0 = 0, dot1 = 0, dot2 = 0, dot3 = 0;
+          // Vector partial sums, added in an order fixed for each instruction set: the same bits for any thread
+          // count.
+#pragma omp simd reduction(+ : dot0, dot1, dot2, dot3)
+          for (int64_t d = 0; d < channels; ++d) {
+            const acc_t gd = grad[d];
+            dot0 += gd * static_cast<acc_t>(v0[d]);
+            dot1 += gd * static_cast<acc_t>(v1[d]);
+            dot2 += gd * static_cast<acc_t>(v2[d]);
+            dot3 += gd * static_cast<acc_t>(v3[d]);
+            gv0[d] += c0 * gd;
+            gv1[d] += c1 * gd;
+            gv2[d] += c2 * gd;
+            gv3[d] += c3 * gd;
+          }
+          dot[0] = dot0, dot[1] = dot1, dot[2] = dot2, dot[3] = dot3;
+        } else {
           for (int k = 0; k < s.count; ++k) {
             const scalar_t* __restrict__ v = image + s.pixel[k] * pixel_stride;
-            acc_t dot = 0;
-            for (int64_t d = 0; d < channels; ++d) dot += gd[d] * static_cast<acc_t>(v[d]);
-            grad_w += s.weight[k] * dot;
-            grad_x += s.weight_dx[k] * dot;
-            grad_y += s.weight_dy[k] * dot;
             acc_t* __restrict__ gv = grad_image + s.pixel[k] * pixel_stride;
             const acc_t c = w * s.weight[k];
-            for (int64_t d = 0; d < channels; ++d) gv[d] += c * gd[d];
+            acc_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t d = 0; d < channels; ++d) {
+              sum += grad[d] * static_cast<acc_t>(v[d]);
+              gv[d] += c * grad[d];
+            }
+            dot[k] = sum;
           }
-          grad_weights[point] = static_cast<scalar_t>(grad_w);
-          // The pixel coordinate is location * size - 0.5: its derivative is size.
-          grad_locations[2 * point] = static_cast<scalar_t>(
-              static_cast<acc_t>(level.width) * coordinate_grad(s, w, grad_x, BorderGradient::torchvision));
-          grad_locations[2 * point + 1] = static_cast<scalar_t>(
-              static_cast<acc_t>(level.height) * coordinate_grad(s, w, grad_y, BorderGradient::torchvision));
         }
+        acc_t grad_w = sum_start(s), grad_x = sum_start(s), grad_y = sum_start(s);
+        for (int k = 0; k < s.count; ++k) {
+          grad_w += s.weight[k] * dot[k];
+          grad_x += s.weight_dx[k] * dot[k];
+          grad_y += s.weight_dy[k] * dot[k];
+        }
+        grad_weights[point] = static_cast<scalar_t>(grad_w);
+        // The pixel coordinate is location * size - 0.5: its derivative is size.
+        grad_locations[2 * point] = static_cast<scalar_t>(
+            static_cast<acc_t>(level.width) * coordinate_grad(s, w, grad_x, BorderGradient::torchvision));
+        grad_locations[2 * point + 1] = static_cast<scalar_t>(
+            static_cast<acc_t>(level.height) * coordinate_grad(s, w, grad_y, BorderGradient::torchvision));
       }
     }
+  }
+}
+
+template <typename scalar_t>
+void backward_all(const AttentionParams& p, const std::vector<Level>& levels, const scalar_t* value,
+                  const scalar_t* locations, const scalar_t* weights, const scalar_t* grad_output,
+                  at::opmath_type<scalar_t>* grad_value, scalar_t* grad_locations, scalar_t* grad_weights) {
+  at::parallel_for(0, p.batch * p.heads * p.levels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<at::opmath_type<scalar_t>> grad(p.channels);
+    backward_tasks(p, levels.data(), value, locations, weights, grad_output, grad_value, grad_locations,
+                   grad_weights, begin, end, grad.data());
   });
 }
 
@@ -155,8 +226,8 @@ at::Tensor forward(const at::Tensor& value, const at::Tensor& spatial_shapes, co
   const at::Tensor v = value.contiguous(), loc = sampling_locations.contiguous(), w = attention_weights.contiguous();
   at::Tensor output = at::empty({p.batch, p.queries, p.heads * p.channels}, value.options());
   MS_DEFORM_ATTN_DISPATCH(value.scalar_type(), "ms_deform_attn_cpu", [&] {
-    forward_rows<scalar_t>(p, levels, v.const_data_ptr<scalar_t>(), loc.const_data_ptr<scalar_t>(),
-                           w.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>());
+    forward_all<scalar_t>(p, levels, v.const_data_ptr<scalar_t>(), loc.const_data_ptr<scalar_t>(),
+                          w.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>());
   });
   return output;
 }
@@ -180,8 +251,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& grad_o
   at::Tensor grad_locations = at::empty(loc.sizes(), loc.options());
   at::Tensor grad_weights = at::empty(w.sizes(), w.options());
   MS_DEFORM_ATTN_DISPATCH(value.scalar_type(), "ms_deform_attn_backward_cpu", [&] {
-    backward_tasks<scalar_t>(p, levels, v.const_data_ptr<scalar_t>(), loc.const_data_ptr<scalar_t>(),
-                             w.const_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(),
+    backward_all<scalar_t>(p, levels, v.const_data_ptr<scalar_t>(), loc.const_data_ptr<scalar_t>(),
+                           w.const_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(),
                              grad_value.mutable_data_ptr<at::opmath_type<scalar_t>>(),
                              grad_locations.mutable_data_ptr<scalar_t>(), grad_weights.mutable_data_ptr<scalar_t>());
   });
