@@ -6,7 +6,8 @@
 #
 # Steps, most telling first, so that a check stopped early has still said the most: environment (torch, the
 # GPU, `deform-conv doctor`), build (the CPU library and the visible GPU's, into a fresh private cache),
-# selfcheck (`deform-conv check`), tests (CUDA and correctness), benchmark (`deform-conv bench --gpu`), then
+# selfcheck (`deform-conv check`), tests (CUDA and correctness), benchmark (`deform-conv bench --gpu`; in full
+# mode also benchmarks/ms_deform_attn_speed.py's encoder case, into the log), then
 # compute-sanitizer's memcheck and initcheck on benchmarks/gpu_memcheck_case.py. Each step has a timeout; the
 # timeouts add up to under 8 minutes (--quick: under 4), and a step that no longer fits before the deadline is
 # skipped. $OUT (default benchmarks/results/gpu-check) receives at most 8 files: summary.txt (one line per step:
@@ -24,7 +25,7 @@ for arg in "$@"; do
   case $arg in
     --quick) mode=quick ;;
     --dry-run) dry_run=1 ;;
-    -h | --help) sed -n '2,18s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,19s/^# \{0,1\}//p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$arg' (expected --quick, --dry-run or --help)" >&2; exit 2 ;;
   esac
 done
@@ -110,7 +111,7 @@ log[initcheck]=$OUT/sanitizer.log
 
 # The GPU's own tests first: pytest runs the files in this order, and a timeout then cuts the CPU-only ones. (The
 # CUDA simulation's tests run the same kernels on the CPU in every CI run; here they would only cost time.)
-tests=(tests/test_cuda.py)
+tests=(tests/test_cuda.py tests/test_ms_deform_attn_cuda.py)
 if [ "$mode" = full ]; then
   tests+=(tests/test_correctness.py)
 fi
@@ -145,10 +146,19 @@ command_for() {
     # cuBLAS gives the same bits run to run only with a fixed workspace, which torch's deterministic mode (the
     # deterministic-backward tests) asks for; the other steps keep the default workspace.
     tests) cmd=(env CUBLAS_WORKSPACE_CONFIG=:4096:8 "$py" -m pytest -rfEs --durations=10 -p no:cacheprovider "${tests[@]}") ;;
-    # The GPU benchmark's cases are fixed; --quick shortens each measurement (0.3 s otherwise).
+    # The GPU benchmark's cases are fixed; --quick shortens each measurement (0.3 s otherwise). The full mode then
+    # times multi-scale deformable attention's encoder op against Deformable DETR's grid_sample version, into the
+    # log (an estimated 10 s, most of it starting torch, not yet measured on a GPU; --quick's 20 s have no room
+    # for it; without a CUDA kernel for the op it says so and passes).
     benchmark)
       cmd=("$py" -m deform_conv bench --gpu --out "$OUT")
-      if [ "$mode" = quick ]; then cmd+=(--min-seconds 0.05); fi ;;
+      if [ "$mode" = quick ]; then
+        cmd+=(--min-seconds 0.05)
+      else
+        # shellcheck disable=SC2016  # expanded by the inner bash: $0 is the interpreter, "$@" the bench command
+        cmd=("$BASH" -c '"$@" && "$0" benchmarks/ms_deform_attn_speed.py --device cuda --cases encoder --min-seconds 0.1'
+             "$py" "${cmd[@]}")
+      fi ;;
     memcheck | initcheck) cmd=("${sanitize[@]}" --tool "$1" "$py" benchmarks/gpu_memcheck_case.py) ;;
   esac
 }

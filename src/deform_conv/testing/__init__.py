@@ -2,9 +2,11 @@
 
 :func:`load_cuda_simulation` builds (once, into a cache entry of its own) and loads the CUDA kernels' own source
 compiled by the host compiler against a small execution layer (``csrc/cuda_simulation/``): blocks and threads,
-warp shuffles with one fiber per lane, atomics, CUDA's launch limits. It registers the CUDA backend, driven by
-the shared driver in its GPU GEMM mode, on CPU tensors as ``torch.ops.deform_conv_sim.deform_conv2d`` and
-``torch.ops.deform_conv_sim.deform_conv2d_backward``, with the schemas of ``torch.ops.deform_conv.*``. It is
+warp shuffles with one fiber per lane, atomics, CUDA's launch limits. It registers the CUDA backend (deform_conv2d's
+driven by the shared driver in its GPU GEMM mode), on CPU tensors, as ``torch.ops.deform_conv_sim.deform_conv2d``,
+``deform_conv2d_backward``, ``ms_deform_attn`` and ``ms_deform_attn_backward``, with the schemas of
+``torch.ops.deform_conv.*``. (The CUDA backend does not read ``spatial_shapes`` on the host, so neither does the
+simulation: its levels are checked by the kernels, as on a GPU.) It is
 slow (one fiber per simulated thread) and exists so that the CUDA kernels run in every test run, GPU or not;
 ``import deform_conv`` never loads it.
 """
