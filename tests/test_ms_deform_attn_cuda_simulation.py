@@ -6,11 +6,12 @@ scripts/sanitize-tests."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import List, NamedTuple, Sequence, Tuple
 
 import pytest
 import torch
+
+from test_cuda_simulation import deterministic_algorithms, simulation_options
 
 import deform_conv
 from deform_conv import testing
@@ -23,25 +24,6 @@ def simulation():
     testing.load_cuda_simulation()
     yield
     testing.load_cuda_simulation()  # the defaults again for whatever runs next
-
-
-@contextlib.contextmanager
-def simulation_options(**options):
-    testing.load_cuda_simulation(**options)
-    try:
-        yield
-    finally:
-        testing.load_cuda_simulation()
-
-
-@contextlib.contextmanager
-def deterministic_algorithms(enabled: bool):
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(enabled)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
 
 
 class Attention(NamedTuple):
