@@ -120,21 +120,24 @@ void forward_all(const AttentionParams& p, const std::vector<Level>& levels, con
   });
 }
 
-// Tasks (image, head, level) [begin, end); grad_value is in the accumulation type, zero on entry. `grad` holds D
-// values.
+// Tasks (image, head, level) [begin, end). A task sums its slice of value's gradient (that level's pixels of that
+// head) in `grad_slice`, in the accumulation type, and writes it into grad_value once, rounded; the slices of all
+// tasks tile grad_value (the levels tile S: checked by make_attention_params). So a half-type gradient needs no
+// float32 copy of the whole of it. `grad` holds D values, `grad_slice` the largest level's pixels * D.
 template <typename scalar_t>
 DC_CPU_DISPATCH void backward_tasks(const AttentionParams& p, const Level* levels, const scalar_t* value,
                                     const scalar_t* locations, const scalar_t* weights, const scalar_t* grad_output,
-                                    at::opmath_type<scalar_t>* grad_value, scalar_t* grad_locations,
-                                    scalar_t* grad_weights, int64_t begin, int64_t end,
-                                    at::opmath_type<scalar_t>* __restrict__ grad) {
+                                    scalar_t* grad_value, scalar_t* grad_locations, scalar_t* grad_weights,
+                                    int64_t begin, int64_t end, at::opmath_type<scalar_t>* __restrict__ grad,
+                                    at::opmath_type<scalar_t>* __restrict__ grad_slice) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t channels = p.channels, pixel_stride = p.heads * p.channels;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t l = task % p.levels, m = (task / p.levels) % p.heads, n = task / (p.levels * p.heads);
     const Level& level = levels[l];
     const scalar_t* image = value + p.value_index(n, level.start, m);
-    acc_t* grad_image = grad_value + p.value_index(n, level.start, m);
+    const int64_t slice = level.height * level.width * channels;
+    for (int64_t i = 0; i < slice; ++i) grad_slice[i] = 0;
     for (int64_t q = 0; q < p.queries; ++q) {
       const scalar_t* g = grad_output + p.output_index(n, q, m);
       for (int64_t d = 0; d < channels; ++d) grad[d] = static_cast<acc_t>(g[d]);
@@ -150,10 +153,10 @@ DC_CPU_DISPATCH void backward_tasks(const AttentionParams& p, const Level* level
           const scalar_t* __restrict__ v1 = image + s.pixel[1] * pixel_stride;
           const scalar_t* __restrict__ v2 = image + s.pixel[2] * pixel_stride;
           const scalar_t* __restrict__ v3 = image + s.pixel[3] * pixel_stride;
-          acc_t* __restrict__ gv0 = grad_image + s.pixel[0] * pixel_stride;
-          acc_t* __restrict__ gv1 = grad_image + s.pixel[1] * pixel_stride;
-          acc_t* __restrict__ gv2 = grad_image + s.pixel[2] * pixel_stride;
-          acc_t* __restrict__ gv3 = grad_image + s.pixel[3] * pixel_stride;
+          acc_t* __restrict__ gv0 = grad_slice + s.pixel[0] * channels;
+          acc_t* __restrict__ gv1 = grad_slice + s.pixel[1] * channels;
+          acc_t* __restrict__ gv2 = grad_slice + s.pixel[2] * channels;
+          acc_t* __restrict__ gv3 = grad_slice + s.pixel[3] * channels;
           const acc_t c0 = w * s.weight[0], c1 = w * s.weight[1], c2 = w * s.weight[2], c3 = w * s.weight[3];
           acc_t dot0 = 0, dot1 = 0, dot2 = 0, dot3 = 0;
           // Vector partial sums, added in an order fixed for each instruction set: the same bits for any thread
@@ -174,7 +177,7 @@ DC_CPU_DISPATCH void backward_tasks(const AttentionParams& p, const Level* level
         } else {
           for (int k = 0; k < s.count; ++k) {
             const scalar_t* __restrict__ v = image + s.pixel[k] * pixel_stride;
-            acc_t* __restrict__ gv = grad_image + s.pixel[k] * pixel_stride;
+            acc_t* __restrict__ gv = grad_slice + s.pixel[k] * channels;
             const acc_t c = w * s.weight[k];
             acc_t sum = 0;
 #pragma omp simd reduction(+ : sum)
@@ -199,17 +202,24 @@ DC_CPU_DISPATCH void backward_tasks(const AttentionParams& p, const Level* level
             static_cast<acc_t>(level.height) * coordinate_grad(s, w, grad_y, BorderGradient::torchvision));
       }
     }
+    for (int64_t pixel = 0; pixel < level.height * level.width; ++pixel) {
+      scalar_t* out = grad_value + p.value_index(n, level.start + pixel, m);
+      const acc_t* in = grad_slice + pixel * channels;
+      for (int64_t d = 0; d < channels; ++d) out[d] = static_cast<scalar_t>(in[d]);
+    }
   }
 }
 
 template <typename scalar_t>
 void backward_all(const AttentionParams& p, const std::vector<Level>& levels, const scalar_t* value,
                   const scalar_t* locations, const scalar_t* weights, const scalar_t* grad_output,
-                  at::opmath_type<scalar_t>* grad_value, scalar_t* grad_locations, scalar_t* grad_weights) {
+                  scalar_t* grad_value, scalar_t* grad_locations, scalar_t* grad_weights) {
+  int64_t largest = 0;
+  for (const Level& level : levels) largest = std::max(largest, level.height * level.width);
   at::parallel_for(0, p.batch * p.heads * p.levels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<at::opmath_type<scalar_t>> grad(p.channels);
+    std::vector<at::opmath_type<scalar_t>> grad(p.channels), grad_slice(largest * p.channels);
     backward_tasks(p, levels.data(), value, locations, weights, grad_output, grad_value, grad_locations,
-                   grad_weights, begin, end, grad.data());
+                   grad_weights, begin, end, grad.data(), grad_slice.data());
   });
 }
 
@@ -245,18 +255,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& grad_o
   const std::vector<Level> levels = read_levels(p, spatial_shapes, level_start_index);
   const at::Tensor v = value.contiguous(), loc = sampling_locations.contiguous(), w = attention_weights.contiguous();
   const at::Tensor g = grad_output.contiguous();
-  const at::ScalarType acc_type = at::toOpMathType(value.scalar_type());
-  at::Tensor grad_value = at::zeros(value.sizes(), value.options().dtype(acc_type));
-  // Every element of these two is written once.
+  // Every element of these three is written once (backward_tasks).
+  at::Tensor grad_value = at::empty(value.sizes(), value.options());
   at::Tensor grad_locations = at::empty(loc.sizes(), loc.options());
   at::Tensor grad_weights = at::empty(w.sizes(), w.options());
   MS_DEFORM_ATTN_DISPATCH(value.scalar_type(), "ms_deform_attn_backward_cpu", [&] {
     backward_all<scalar_t>(p, levels, v.const_data_ptr<scalar_t>(), loc.const_data_ptr<scalar_t>(),
                            w.const_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(),
-                             grad_value.mutable_data_ptr<at::opmath_type<scalar_t>>(),
+                             grad_value.mutable_data_ptr<scalar_t>(),
                              grad_locations.mutable_data_ptr<scalar_t>(), grad_weights.mutable_data_ptr<scalar_t>());
   });
-  return {grad_value.to(value.scalar_type()), grad_locations, grad_weights};
+  return {grad_value, grad_locations, grad_weights};
 }
 
 }  // namespace
