@@ -1,5 +1,6 @@
 """The bad inputs of docs/errors.md, by row id: each a function of the standard case that returns the
-changed arguments of one deform_conv2d call (or, for module rows, the constructor's keyword arguments).
+changed arguments of one deform_conv2d call (or, for module rows, the constructor's keyword arguments; in
+ATTENTION_CALLS, of one ms_deform_attn call).
 
 The standard case (conftest.make_case(torch.float32)): input (3, 6, 13, 8), weight (4, 3, 3, 2) (2 groups),
 offset (3, 36, 6, 7) (3 offset groups), mask (3, 18, 6, 7), bias (4,), stride (2, 1), padding (1, 0),
@@ -60,4 +61,49 @@ MODULES = {
     "DeformConv2dPack deform_groups": ("DeformConv2dPack", dict(deform_groups=4)),
     "ModulatedDeformConv2dPack kernel_size": ("ModulatedDeformConv2dPack", dict(kernel_size=0)),
     "DeformConv2dPack border_gradient": ("DeformConv2dPack", dict(border_gradient="torchvison")),
+}
+
+# ms_deform_attn: functions of its standard case (test_ms_deform_attn_errors.standard_case(): levels (4, 5),
+# (2, 3), (1, 1), so spatial_shapes [[4, 5], [2, 3], [1, 1]] and level_start_index [0, 20, 26]; value (2, 27, 3, 4)
+# float32; sampling_locations (2, 6, 3, 3, 2, 2); attention_weights (2, 6, 3, 3, 2)) that return the changed
+# arguments of one call.
+ATTENTION_CALLS = {
+    "value not a tensor": lambda c: dict(value=c.value.tolist()),
+    "value sparse": lambda c: dict(value=c.value.to_sparse()),
+    "value 3-D": lambda c: dict(value=c.value[0]),
+    "value integer": lambda c: dict(value=c.value.long()),
+    "value float8": lambda c: dict(value=c.value.to(torch.float8_e4m3fn)),
+    "value no heads": lambda c: dict(value=c.value[:, :, :0]),
+    "value pixels": lambda c: dict(value=c.value[:, :-1]),
+    "spatial_shapes list": lambda c: dict(spatial_shapes=c.spatial_shapes.tolist()),
+    "spatial_shapes 1-D": lambda c: dict(spatial_shapes=c.spatial_shapes.flatten()),
+    "spatial_shapes int32": lambda c: dict(spatial_shapes=c.spatial_shapes.int()),
+    "spatial_shapes float": lambda c: dict(spatial_shapes=c.spatial_shapes.float()),
+    "spatial_shapes device": lambda c: dict(spatial_shapes=c.spatial_shapes.to("meta")),
+    "spatial_shapes columns": lambda c: dict(spatial_shapes=torch.cat([c.spatial_shapes, c.spatial_shapes[:, :1]], 1)),
+    "spatial_shapes no levels": lambda c: dict(spatial_shapes=c.spatial_shapes[:0]),
+    "spatial_shapes empty level": lambda c: dict(spatial_shapes=torch.tensor([[4, 5], [0, 3], [1, 1]])),
+    "spatial_shapes negative": lambda c: dict(spatial_shapes=torch.tensor([[4, 5], [-2, -3], [1, 1]])),
+    "spatial_shapes sum": lambda c: dict(spatial_shapes=torch.tensor([[4, 5], [2, 3], [1, 2]])),
+    # H * W = 2**64 wraps int64 to 0: checked without the product in C++ (level_fits).
+    "spatial_shapes huge": lambda c: dict(spatial_shapes=torch.tensor([[4, 5], [2, 3], [2**32, 2**32]])),
+    "level_start_index 2-D": lambda c: dict(level_start_index=c.level_start_index[None]),
+    "level_start_index int32": lambda c: dict(level_start_index=c.level_start_index.int()),
+    "level_start_index device": lambda c: dict(level_start_index=c.level_start_index.to("meta")),
+    "level_start_index length": lambda c: dict(level_start_index=c.level_start_index[:2]),
+    "level_start_index values": lambda c: dict(level_start_index=torch.tensor([0, 20, 25])),
+    "sampling_locations 5-D": lambda c: dict(sampling_locations=c.sampling_locations[0]),
+    "sampling_locations dtype": lambda c: dict(sampling_locations=c.sampling_locations.double()),
+    "sampling_locations device": lambda c: dict(sampling_locations=c.sampling_locations.to("meta")),
+    "sampling_locations batch": lambda c: dict(sampling_locations=c.sampling_locations[:1]),
+    "sampling_locations heads": lambda c: dict(sampling_locations=c.sampling_locations[:, :, :2]),
+    "sampling_locations levels": lambda c: dict(sampling_locations=c.sampling_locations[:, :, :, :2]),
+    "sampling_locations xy": lambda c: dict(
+        sampling_locations=torch.cat([c.sampling_locations, c.sampling_locations[..., :1]], -1)),
+    "attention_weights 4-D": lambda c: dict(attention_weights=c.attention_weights[0]),
+    "attention_weights dtype": lambda c: dict(attention_weights=c.attention_weights.half()),
+    "attention_weights device": lambda c: dict(attention_weights=c.attention_weights.to("meta")),
+    "attention_weights queries": lambda c: dict(attention_weights=c.attention_weights[:, :5]),
+    "attention_weights points": lambda c: dict(attention_weights=c.attention_weights[..., :1]),
+    "attention_weights levels": lambda c: dict(attention_weights=c.attention_weights[:, :, :, :2]),
 }

@@ -242,8 +242,8 @@ def check_ms_deform_attn_args(
     expected = (batch, queries, heads, levels, points)
     if _shape(attention_weights) != expected:
         raise ValueError(
-            f"attention_weights must have shape {expected} [batch, queries, heads, levels, points], "
-            f"got {_shape(attention_weights)}"
+            f"attention_weights must have shape {expected} [batch, queries, heads, levels, points] "
+            f"(queries and points from sampling_locations), got {_shape(attention_weights)}"
         )
     if check_levels and spatial_shapes.device.type == "cpu":
         check_levels_fit(spatial_shapes.tolist(), level_start_index.tolist(), pixels)

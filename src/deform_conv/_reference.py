@@ -166,8 +166,9 @@ def ms_deform_attn_grid_sample(
     zero padding, align_corners=False) and the weighted sum. ``level_shapes``: (H_l, W_l) of each level, as
     Python ints (the graph's constants when exported). Shapes as :func:`ms_deform_attn_reference`.
 
-    Its values and gradients are grid_sample's, which differ from ours only for non-finite locations (grid_sample
-    samples 0 at a NaN location, ours NaN)."""
+    Its values and gradients are grid_sample's, which differ from ours only at non-finite locations: at +-inf
+    grid_sample samples NaN (ours 0), and at a NaN location it gives the NaN coordinate's own gradient as 0 (ours
+    NaN for both)."""
     batch, _, heads, channels = value.shape
     _, queries, _, levels, points, _ = sampling_locations.shape
     per_level = value.split([height * width for height, width in level_shapes], dim=1)
