@@ -67,3 +67,35 @@ def test_cpu_autocast_inside_torch_compile():
         out = compiled(*case.tensors())
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, case.call(ours, [t.to(torch.bfloat16) for t in case.tensors()]))
+
+
+def test_cpu_autocast_takes_mixed_dtypes_as_conv2d_does():
+    """Under autocast a layer's tensors often differ in dtype (the conv_offset layer's bfloat16 offset beside a
+    float32 input): the op casts them all, as conv2d does, instead of refusing them."""
+    case = make_case(torch.float32)
+    tensors = case.tensors()
+    tensors[1] = tensors[1].to(torch.bfloat16)  # the offset
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = case.call(ours, tensors)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, case.call(ours, [t.to(torch.bfloat16) for t in case.tensors()]))
+
+
+def test_ms_deform_attn_module_under_cpu_autocast():
+    """MSDeformAttn under autocast: value comes from a Linear (bfloat16), the locations from float32 reference
+    points plus offsets, the weights from a softmax (float32): the op runs in bfloat16 on all of them."""
+    torch.manual_seed(0)
+    attn = deform_conv.MSDeformAttn(d_model=32, n_levels=2, n_heads=4, n_points=2)
+    shapes = torch.tensor([[5, 6], [2, 3]])
+    starts = torch.tensor([0, 30])
+    query, flatten = torch.randn(2, 7, 32), torch.randn(2, 36, 32)
+    reference = torch.rand(2, 7, 2, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attn(query, reference, flatten, shapes, starts)
+    assert out.dtype == torch.bfloat16
+    expected = attn(query, reference, flatten, shapes, starts)
+    # bfloat16 throughout: the input casts, the value projection, the sampling and the output projection each round
+    # to half a bfloat16 ulp of values of about the output's scale; 8 ulps of that scale bound their sum with room
+    # (1.6 measured).
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out.float(), expected, rtol=0, atol=8 * torch.finfo(torch.bfloat16).eps * scale)

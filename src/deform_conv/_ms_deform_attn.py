@@ -52,6 +52,8 @@ def ms_deform_attn(
                 ms_deform_attn, (value, spatial_shapes, level_start_index, sampling_locations, attention_weights),
                 value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step)
         if not torch.jit.is_tracing():
+            value, sampling_locations, attention_weights = _ops.autocast_inputs(
+                value, sampling_locations, attention_weights)
             # The level sizes are read (on CPU tensors) only in an eager call: under torch.compile and torch.export
             # their values are unknown, and the op's own checks apply.
             check_ms_deform_attn_args(value, spatial_shapes, level_start_index, sampling_locations,

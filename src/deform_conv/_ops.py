@@ -62,6 +62,7 @@ def deform_conv2d(
                 deform_conv2d, (input, offset, weight, bias, mask), input, offset, weight, bias, stride, padding,
                 dilation, mask, border_gradient)
         if not torch.jit.is_tracing():
+            input, offset, weight, bias, mask = autocast_inputs(input, offset, weight, bias, mask)
             geo = check_args(input, offset, weight, mask, bias, stride, padding, dilation)
             check_border_gradient(border_gradient)
             if _in_onnx_export():
@@ -79,6 +80,21 @@ def deform_conv2d(
     return torch.ops.deform_conv.deform_conv2d(
         input, offset, weight, mask, bias, _script_pair(stride), _script_pair(padding), _script_pair(dilation),
         border_gradient)
+
+
+@torch.jit.unused
+def autocast_inputs(*tensors):
+    """The tensors as the op's autocast rule (_autocast_kernel) will cast them, where autocast is on for their
+    device: so that the checks, which want one dtype, see what the kernels will get. Under autocast the tensors of
+    a layer often differ (a Linear's bfloat16 output beside float32 locations or a float32 input)."""
+    first = next((t for t in tensors if isinstance(t, Tensor)), None)
+    if first is None or not torch.is_autocast_enabled(first.device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(first.device.type)
+    return tuple(
+        t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
+        for t in tensors
+    )
 
 
 @torch.jit.unused
