@@ -55,7 +55,7 @@ def test_source_and_header_edits_change_the_key(tmp_path, monkeypatch):
     with open(csrc / "sampling.h", "a") as f:
         f.write("// an edit\n")
     after_header = _variant.sources_sha256()
-    with open(csrc / "cpu" / "deform_conv_cpu.cpp", "a") as f:
+    with open(csrc / "ms_deform_attn" / "cpu" / "ms_deform_attn_cpu.cpp", "a") as f:  # a file two levels down
         f.write("// an edit\n")
     after_source = _variant.sources_sha256()
     assert len({before, after_header, after_source}) == 3
