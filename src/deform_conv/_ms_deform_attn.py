@@ -110,18 +110,16 @@ def _no_double_backward(ctx, *grads):
 
 
 def _autocast_kernel(device_type: str):
-    """The op under autocast, as ``deform_conv2d`` (and ``conv2d``): float32 and half tensors are cast to the
-    autocast dtype, float64 ones left alone; the kernels accumulate in float32."""
-
-    def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
-        return t if t.dtype == torch.float64 else t.to(dtype)
+    """The op under autocast, as ``deform_conv2d`` (and ``conv2d``): _ops.autocast_cast's rule; the kernels
+    accumulate in float32."""
 
     def kernel(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
         dtype = torch.get_autocast_dtype(device_type)
+        value, sampling_locations, attention_weights = (
+            _ops.autocast_cast(t, dtype) for t in (value, sampling_locations, attention_weights))
         with torch.autocast(device_type, enabled=False):
             return torch.ops.deform_conv.ms_deform_attn(
-                cast(value, dtype), spatial_shapes, level_start_index, cast(sampling_locations, dtype),
-                cast(attention_weights, dtype))
+                value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
 
     return kernel
 

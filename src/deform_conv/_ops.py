@@ -82,19 +82,24 @@ def deform_conv2d(
         border_gradient)
 
 
+def autocast_cast(t, dtype: torch.dtype):
+    """Both ops' autocast rule, as autocast treats ``conv2d``: a float32 or half tensor becomes ``dtype``; float64
+    tensors, integer tensors and anything that is not a tensor are left alone."""
+    if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+        return t.to(dtype)
+    return t
+
+
 @torch.jit.unused
 def autocast_inputs(*tensors):
-    """The tensors as the op's autocast rule (_autocast_kernel) will cast them, where autocast is on for their
-    device: so that the checks, which want one dtype, see what the kernels will get. Under autocast the tensors of
-    a layer often differ (a Linear's bfloat16 output beside float32 locations or a float32 input)."""
+    """The tensors as the op's autocast kernel will cast them, where autocast is on for their device: so that the
+    checks, which want one dtype, see what the kernels will get. Under autocast the tensors of a layer often differ
+    (a Linear's bfloat16 output beside float32 locations or a float32 input)."""
     first = next((t for t in tensors if isinstance(t, Tensor)), None)
     if first is None or not torch.is_autocast_enabled(first.device.type):
         return tensors
     dtype = torch.get_autocast_dtype(first.device.type)
-    return tuple(
-        t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
-        for t in tensors
-    )
+    return tuple(autocast_cast(t, dtype) for t in tensors)
 
 
 @torch.jit.unused
@@ -194,18 +199,12 @@ def _autocast_kernel(device_type: str):
     to the autocast dtype, float64 ones are left alone, and the op runs in that dtype (the kernels accumulate in
     float32). The backward then sees the same dtypes through autograd."""
 
-    def cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-        if t is None or not t.is_floating_point() or t.dtype == torch.float64:
-            return t
-        return t.to(dtype)
-
     def kernel(input, offset, weight, mask, bias, stride, padding, dilation, border_gradient="torchvision"):
         dtype = torch.get_autocast_dtype(device_type)
+        input, offset, weight, mask, bias = (autocast_cast(t, dtype) for t in (input, offset, weight, mask, bias))
         with torch.autocast(device_type, enabled=False):
             return torch.ops.deform_conv.deform_conv2d(
-                cast(input, dtype), cast(offset, dtype), cast(weight, dtype), cast(mask, dtype), cast(bias, dtype),
-                stride, padding, dilation, border_gradient,
-            )
+                input, offset, weight, mask, bias, stride, padding, dilation, border_gradient)
 
     return kernel
 
