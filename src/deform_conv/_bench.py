@@ -10,23 +10,32 @@ next implementation would need). Timing: one warm-up call each, then
 ours, torchvision's and conv2d take turns, one call each per round, so that all of them meet the same machine (a
 shared machine's load drifts within seconds, and measured one after the other the ratios would measure the
 drift); each is called until at least ``min_seconds`` of its calls have passed (at least 3, at most 50 calls) and
-its median is reported; threads = all cores. The command line also turns malloc's trimming off (steady_malloc).
+its median is reported; threads = all cores unless --threads says otherwise. The command line also turns malloc's
+trimming off (steady_malloc).
+
+Two more tables come from the same timing: `--threads 1,2,4` (a list) times ours and conv2d in fp32 at each thread
+count (thread scaling, cpu_threads.md), and `--dtype bfloat16` / `--dtype float16` times ours in that dtype against
+ours in fp32 and conv2d in that dtype, NCHW and channels_last (cpu_<dtype>.md); torchvision's CPU kernels have no
+bfloat16, so it is left out of that table, as are onnxruntime and the peak memory.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import dataclasses
+import functools
 import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +54,19 @@ class Case:
     kernel: int = 3
     stride: int = 1
     padding: int = 1
+    width: Optional[int] = None  # None: a square image, `size` by `size`; otherwise `size` is the height
+
+    def image_size(self) -> Tuple[int, int]:
+        """(height, width) of the input image."""
+        return self.size, self.size if self.width is None else self.width
+
+    def output_size(self) -> Tuple[int, int]:
+        """(height, width) of the output, as conv2d computes it (dilation 1)."""
+        height, width = self.image_size()
+        return self._output_extent(height), self._output_extent(width)
+
+    def _output_extent(self, extent: int) -> int:
+        return (extent + 2 * self.padding - self.kernel) // self.stride + 1
 
     def describe(self) -> str:
         extra = []
@@ -55,7 +77,8 @@ class Case:
         extra.append("DCNv2" if self.mask else "DCNv1")
         if (self.kernel, self.stride, self.padding) != (3, 1, 1):
             extra.append(f"k{self.kernel} s{self.stride} p{self.padding}")
-        return (f"batch {self.batch}, {self.in_channels}->{self.out_channels}, {self.size}x{self.size}, "
+        height, width = self.image_size()
+        return (f"batch {self.batch}, {self.in_channels}->{self.out_channels}, {height}x{width}, "
                 + ", ".join(extra))
 
 
@@ -74,6 +97,17 @@ EXTRA_CASES = [
     Case("X3", 2, 48, 96, 64, kernel=1, padding=0, offset_groups=3, mask=False),
 ]
 
+# Small images and few channels, with weight and offset groups and a non-square image: here the per-call and
+# per-group overheads weigh as much as the arithmetic, which the S and X shapes hide.
+SMALL_CASES = [
+    Case("G1", 16, 32, 48, 80, offset_groups=2, stride=2),
+    Case("G2", 3, 60, 60, 33, groups=3, offset_groups=5, width=31),
+    Case("G3", 4, 96, 96, 40, kernel=5, padding=2),
+]
+
+# Thread scaling runs on these: the shapes of S1-S3 differ in how much work each thread gets.
+SCALING_CASES = CASES[:3]
+
 # A few milliseconds each: what CI runs so the suite cannot rot.
 SMOKE_CASES = [Case("T1", 2, 8, 8, 10), Case("T2", 2, 8, 8, 10, groups=8, mask=False)]
 
@@ -86,15 +120,23 @@ def make_inputs(case: Case, seed: int = 0, device: str = "cpu", dtype: torch.dty
 
 def _make_inputs(case: Case, seed: int) -> Dict[str, Optional[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    out = (case.size + 2 * case.padding - case.kernel) // case.stride + 1
+    height, width = case.image_size()
+    out_h, out_w = case.output_size()
     taps = case.kernel * case.kernel
     return {
-        "x": torch.randn(case.batch, case.in_channels, case.size, case.size, generator=g),
+        "x": torch.randn(case.batch, case.in_channels, height, width, generator=g),
         "weight": torch.randn(case.out_channels, case.in_channels // case.groups, case.kernel, case.kernel, generator=g)
         / math.sqrt(case.in_channels // case.groups * taps),
-        "offset": torch.randn(case.batch, 2 * case.offset_groups * taps, out, out, generator=g),
-        "mask": torch.rand(case.batch, case.offset_groups * taps, out, out, generator=g) if case.mask else None,
+        "offset": torch.randn(case.batch, 2 * case.offset_groups * taps, out_h, out_w, generator=g),
+        "mask": torch.rand(case.batch, case.offset_groups * taps, out_h, out_w, generator=g) if case.mask else None,
     }
+
+
+def to_channels_last(tensors: Dict[str, Optional[torch.Tensor]]) -> Dict[str, Optional[torch.Tensor]]:
+    """The input and the weight in channels_last, as a model moved with `.to(memory_format=torch.channels_last)`
+    would hold them (conv2d picks its layout from both); offset and mask as they are."""
+    return {k: (v.contiguous(memory_format=torch.channels_last) if k in ("x", "weight") else v)
+            for k, v in tensors.items()}
 
 
 def _ours(case: Case, t: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -119,6 +161,9 @@ IMPLEMENTATIONS: Dict[str, Callable[[Case, Dict[str, torch.Tensor]], torch.Tenso
     "torchvision": _torchvision,
     "conv2d": _conv2d,
 }
+
+# (name, backward) of the two measurements per implementation.
+PHASES = (("fwd", False), ("fwdbwd", True))
 
 
 def steady_malloc() -> bool:
@@ -162,9 +207,12 @@ def interleaved_medians(calls: Dict[str, Callable[[], object]], min_seconds: flo
 
 
 def make_call(case: Case, impl: str, backward: bool, device: str = "cpu",
-              dtype: torch.dtype = torch.float32) -> Callable[[], None]:
-    """One forward (under no_grad), or one forward+backward, of `impl` on fresh inputs of `case`."""
+              dtype: torch.dtype = torch.float32, channels_last: bool = False) -> Callable[[], None]:
+    """One forward (under no_grad), or one forward+backward, of `impl` on fresh inputs of `case` (with the input
+    and weight in channels_last if asked)."""
     tensors = make_inputs(case, device=device, dtype=dtype)
+    if channels_last:
+        tensors = to_channels_last(tensors)
     fn = IMPLEMENTATIONS[impl]
     if not backward:
         def call() -> None:
@@ -189,6 +237,7 @@ sys.path.insert(0, {src!r})
 from deform_conv import _bench
 case = _bench.Case(**json.loads(sys.argv[1]))
 impl = sys.argv[2]
+torch.set_num_threads(int(sys.argv[3]))  # the parent's count: per-thread buffers make the peak depend on it
 tensors = _bench.make_inputs(case)
 leaves = {{k: (v.requires_grad_() if v is not None else v) for k, v in tensors.items()}}
 fn = _bench.IMPLEMENTATIONS[impl]
@@ -221,7 +270,8 @@ def peak_memory_mib(case: Case, impl: str) -> Optional[float]:
     # A fixed mmap threshold: every block of 64 KiB or more is mapped when allocated and unmapped when freed,
     # so the resident set follows the live memory instead of what malloc happens to keep for reuse.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    child = subprocess.run([sys.executable, "-c", _PEAK_CHILD.format(src=src), json.dumps(dataclasses.asdict(case)), impl],
+    args = [json.dumps(dataclasses.asdict(case)), impl, str(torch.get_num_threads())]
+    child = subprocess.run([sys.executable, "-c", _PEAK_CHILD.format(src=src), *args],
                            capture_output=True, text=True, timeout=1800, env=env)
     if child.returncode != 0:
         raise RuntimeError(f"peak memory of {impl} on {case.name} failed:\n{child.stderr[-2000:]}")
@@ -256,7 +306,79 @@ def onnxruntime_call(case: Case) -> Optional[Callable[[], object]]:
     return lambda: session.run(None, feeds)
 
 
-def environment(malloc_steadied: bool = False) -> str:
+# A conv2d big enough for PyTorch to hand it to oneDNN in every dtype oneDNN takes on this CPU: oneDNN prints its
+# ISA line when it creates its first primitive, and one convolution line for each it runs (with the dtypes).
+_ONEDNN_PROBE = """
+import torch, torch.nn.functional as F
+with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x, w = torch.randn(2, 16, 16, 16, dtype=dtype), torch.randn(16, 16, 3, 3, dtype=dtype)
+        F.conv2d(x, w)
+        F.conv2d(x.contiguous(memory_format=torch.channels_last), w.contiguous(memory_format=torch.channels_last))
+"""
+
+# oneDNN's names for the dtypes in its verbose lines.
+_ONEDNN_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+@functools.cache
+def _onednn_verbose() -> str:
+    """oneDNN's verbose output for _ONEDNN_PROBE, run in a child process (it goes to the process's stdout, from C,
+    and its first line only comes once per process); "" where the child fails."""
+    try:
+        child = subprocess.run([sys.executable, "-c", _ONEDNN_PROBE], capture_output=True, text=True, timeout=120,
+                               check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return child.stdout if child.returncode == 0 else ""
+
+
+def parse_onednn_isa(verbose: str) -> str:
+    """The ISA in a line like `onednn_verbose,v1,info,cpu,isa:Intel AVX2` (`dnnl_verbose,...` from older
+    oneDNN); "unknown" where there is none."""
+    match = re.search(r"^(?:onednn|dnnl)_verbose,.*?\bcpu,isa:(.+)$", verbose, re.MULTILINE)
+    return match.group(1).strip() if match else "unknown"
+
+
+def onednn_isa() -> str:
+    """The instruction set oneDNN dispatches to on this CPU (e.g. `Intel AVX2`), or "unknown"."""
+    return parse_onednn_isa(_onednn_verbose())
+
+
+def onednn_runs_conv2d(dtype: torch.dtype) -> Optional[bool]:
+    """Whether PyTorch ran conv2d in `dtype` through oneDNN in the probe (without it, PyTorch's own slower
+    kernels run it: the floor the half table compares with is then a different one); None where the probe failed."""
+    verbose = _onednn_verbose()
+    if not verbose:
+        return None
+    return any(",convolution," in line and f"src:{_ONEDNN_DTYPES[dtype]}:" in line for line in verbose.splitlines())
+
+
+def half_path(dtype: torch.dtype) -> Optional[str]:
+    """Which path our CPU kernels take for `dtype`, where the loaded library can say (cpu_half_path)."""
+    if not hasattr(torch.ops.deform_conv, "cpu_half_path"):
+        return None
+    return str(torch.ops.deform_conv.cpu_half_path(dtype))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`bfloat16` for torch.bfloat16, and so on."""
+    return str(dtype).replace("torch.", "")
+
+
+def _half_notes(dtype: torch.dtype) -> str:
+    """The half table's additions to the environment line: how conv2d and ours run `dtype` here."""
+    name = dtype_name(dtype)
+    through = onednn_runs_conv2d(dtype)
+    notes = "" if through is None else f"; conv2d's {name} through oneDNN: {'yes' if through else 'no'}"
+    path = half_path(dtype)
+    return notes + ("" if path is None else f"; ours' {name} path: {path}")
+
+
+def environment(malloc_steadied: bool = False, dtype: torch.dtype = torch.float32,
+                threads: Optional[Sequence[int]] = None) -> str:
+    """One line: the CPU, cores and threads (`threads`: the counts of a scaling table), the versions, the dtype,
+    and oneDNN's ISA (plus, for a half dtype, how conv2d and ours run it)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -275,9 +397,13 @@ def environment(malloc_steadied: bool = False) -> str:
         ort = "not installed"
     import deform_conv
 
-    return (f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads; Python {platform.python_version()}, "
+    thread_text = (f"{torch.get_num_threads()} threads" if threads is None
+                   else f"{', '.join(map(str, threads))} threads (a row each)")
+    label = "fp32" if dtype == torch.float32 else dtype_name(dtype)
+    return (f"{cpu}, {os.cpu_count()} cores, {thread_text}; Python {platform.python_version()}, "
             f"torch {torch.__version__}, torchvision {tv}, onnxruntime {ort}, deform_conv {deform_conv.__version__}; "
-            "fp32" + ("; malloc's trimming off for the timings (see steady_malloc)" if malloc_steadied else ""))
+            + label + ("; malloc's trimming off for the timings (see steady_malloc)" if malloc_steadied else "")
+            + f"; oneDNN ISA: {onednn_isa()}" + ("" if dtype == torch.float32 else _half_notes(dtype)))
 
 
 def run(cases: Sequence[Case], min_seconds: float = 1.0, memory: bool = True, onnx: bool = True) -> List[dict]:
@@ -285,7 +411,7 @@ def run(cases: Sequence[Case], min_seconds: float = 1.0, memory: bool = True, on
     for case in cases:
         row: Dict[str, object] = {"case": case.name, "config": case.describe()}
         calls = {f"{impl}_{phase}": make_call(case, impl, backward)
-                 for impl in IMPLEMENTATIONS for phase, backward in (("fwd", False), ("fwdbwd", True))}
+                 for impl in IMPLEMENTATIONS for phase, backward in PHASES}
         row.update(interleaved_medians(calls, min_seconds))
         onnxruntime = onnxruntime_call(case) if onnx else None
         row["onnxruntime_fwd"] = (interleaved_medians({"ort": onnxruntime}, min_seconds)["ort"]
@@ -323,9 +449,107 @@ def format_row(r: dict) -> str:
     )
 
 
+def _document(title: str, command: str, env: str, header: str, lines: Sequence[str], notes: Sequence[str] = ()) -> str:
+    """A results file: title, command, environment line (and notes), then the table."""
+    return "\n".join([f"# {title}", "", f"Command: `{command}`", "", env, "", *[f"{n}\n" for n in notes], header,
+                      *lines, ""])
+
+
 def markdown(rows: List[dict], command: str, malloc_steadied: bool) -> str:
-    return "\n".join(["# CPU speed", "", f"Command: `{command}`", "", environment(malloc_steadied), "", HEADER,
-                      *[format_row(r) for r in rows], ""])
+    return _document("CPU speed", command, environment(malloc_steadied), HEADER, [format_row(r) for r in rows])
+
+
+def run_threads(cases: Sequence[Case], counts: Sequence[int], min_seconds: float = 1.0) -> List[dict]:
+    """Thread-scaling rows: for each case and thread count (in the order given; none skipped here), fp32 forward
+    and forward+backward medians of ours and conv2d, and ours' speed-up over ours at the first count. The calls
+    are made once per case, so every count times the same inputs; torch's thread count is restored after."""
+    rows = []
+    before = torch.get_num_threads()
+    try:
+        for case in cases:
+            calls = {f"{impl}_{phase}": make_call(case, impl, backward)
+                     for impl in ("ours", "conv2d") for phase, backward in PHASES}
+            first: Optional[dict] = None
+            for count in counts:
+                torch.set_num_threads(count)
+                row: Dict[str, object] = {"case": case.name, "config": case.describe(), "threads": count,
+                                          **interleaved_medians(calls, min_seconds)}
+                if first is None:
+                    first = row
+                for phase, _ in PHASES:
+                    row[f"speedup_{phase}"] = first[f"ours_{phase}"] / row[f"ours_{phase}"]
+                rows.append(row)
+                print(format_threads_row(row), flush=True)
+    finally:
+        torch.set_num_threads(before)
+    return rows
+
+
+def threads_header(first: int) -> str:
+    baseline = f"{first} thread" + ("" if first == 1 else "s")
+    return (
+        f"| case | config | threads | fwd ms: ours | conv2d | ours/conv2d | ours' speed-up over {baseline} "
+        f"| fwd+bwd ms: ours | conv2d | ours/conv2d | ours' speed-up over {baseline} |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
+
+
+def format_threads_row(r: dict) -> str:
+    return (
+        f"| {r['case']} | {r['config']} | {r['threads']} | {_ms(r['ours_fwd'])} | {_ms(r['conv2d_fwd'])} "
+        f"| {r['ours_fwd'] / r['conv2d_fwd']:.2f} | {r['speedup_fwd']:.2f} | {_ms(r['ours_fwdbwd'])} "
+        f"| {_ms(r['conv2d_fwdbwd'])} | {r['ours_fwdbwd'] / r['conv2d_fwdbwd']:.2f} | {r['speedup_fwdbwd']:.2f} |"
+    )
+
+
+def usable_thread_counts(counts: Sequence[int], cores: Optional[int] = None) -> Tuple[List[int], List[str]]:
+    """The counts up to the number of cores (more would time the scheduler's time-slicing, not the kernels), and
+    a note for each one left out."""
+    cores = cores or os.cpu_count() or 1
+    usable = [n for n in counts if n <= cores]
+    notes = [f"{n} threads skipped: more than the {cores} cores" for n in counts if n > cores]
+    return usable, notes
+
+
+def _half_variants(dtype: torch.dtype) -> Dict[str, Tuple[str, torch.dtype, bool]]:
+    """The half table's implementations by row key: (implementation, dtype of its inputs, channels_last)."""
+    return {
+        "ours_half": ("ours", dtype, False),
+        "ours_fp32": ("ours", torch.float32, False),
+        "conv2d_half": ("conv2d", dtype, False),
+        "conv2d_cl_half": ("conv2d", dtype, True),
+    }
+
+
+def run_half(cases: Sequence[Case], dtype: torch.dtype, min_seconds: float = 1.0) -> List[dict]:
+    """Half-table rows: forward and forward+backward medians of ours in `dtype`, ours in fp32 on the same values,
+    and conv2d in `dtype` with NCHW and channels_last tensors, all eight taking turns (interleaved_medians)."""
+    rows = []
+    for case in cases:
+        calls = {f"{name}_{phase}": make_call(case, impl, backward, dtype=d, channels_last=cl)
+                 for name, (impl, d, cl) in _half_variants(dtype).items() for phase, backward in PHASES}
+        row: Dict[str, object] = {"case": case.name, "config": case.describe(),
+                                  **interleaved_medians(calls, min_seconds)}
+        rows.append(row)
+        print(format_half_row(row), flush=True)
+    return rows
+
+
+def half_header(dtype: torch.dtype) -> str:
+    name = dtype_name(dtype)
+    columns = (f"ours {name} | ours fp32 | conv2d {name} | conv2d {name} channels_last "
+               f"| speed-up (ours fp32 / ours {name}) | ours/conv2d {name}")
+    return (f"| case | config | fwd ms: {columns} | fwd+bwd ms: {columns} |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def format_half_row(r: dict) -> str:
+    cells = []
+    for phase, _ in PHASES:
+        cells += [_ms(r[f"ours_half_{phase}"]), _ms(r[f"ours_fp32_{phase}"]), _ms(r[f"conv2d_half_{phase}"]),
+                  _ms(r[f"conv2d_cl_half_{phase}"]), f"{r[f'ours_fp32_{phase}'] / r[f'ours_half_{phase}']:.2f}",
+                  f"{r[f'ours_half_{phase}'] / r[f'conv2d_half_{phase}']:.2f}"]
+    return f"| {r['case']} | {r['config']} | " + " | ".join(cells) + " |"
 
 
 def plot(rows: List[dict], path: Path) -> bool:
@@ -425,28 +649,124 @@ def gpu_main(out: Optional[Path], min_seconds: float) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    import argparse
+def thread_counts(text: str) -> List[int]:
+    """`--threads`'s value: one count, or a comma list of distinct counts (the scaling table)."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a thread count or a comma list of them (e.g. 1,2,4), got {text!r}"
+                                         ) from None
+    if any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"thread counts are at least 1, got {text!r}")
+    if len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(f"each thread count once, got {text!r}")
+    return counts
 
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deform-conv bench", description="CPU benchmark: ours vs torchvision vs conv2d")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, seconds (what CI runs)")
     parser.add_argument("--extra", action="store_true", help="also the shapes beyond S1-S5")
+    parser.add_argument("--small", action="store_true",
+                        help="also G1-G3: small images, weight and offset groups, a non-square image")
     parser.add_argument("--min-seconds", type=float, default=1.0, help="time spent per measurement")
-    parser.add_argument("--out", type=Path, default=None, help="directory for cpu.md and cpu.png (gpu.md)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="directory for cpu.md and cpu.png (cpu_threads.md, cpu_<dtype>.md; gpu.md)")
+    parser.add_argument("--threads", type=thread_counts, default=None, metavar="N[,N...]",
+                        help="torch's thread count for the run (default: torch's, all cores); a comma list, e.g. "
+                        "1,2,4, instead times ours and conv2d in fp32 at each count on S1-S3 (the smoke shapes "
+                        "with --smoke) and writes cpu_threads.md, skipping counts above the cores")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="float32: the main table; bfloat16 or float16: ours in that dtype against ours in "
+                        "fp32 and conv2d in that dtype (NCHW and channels_last), written to cpu_<dtype>.md")
     parser.add_argument("--gpu", action="store_true", help="S1-S5 at batch 32 on the GPU, fp32 and bf16")
+    return parser
+
+
+def _check_combinations(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses the combinations one table cannot honour (parser.error exits, naming the arguments)."""
+    scaling = args.threads is not None and len(args.threads) > 1
+    if args.gpu and (args.small or args.dtype != "float32" or args.threads is not None):
+        parser.error("argument --gpu: the GPU table has its own cases, dtypes and threads; "
+                     "drop --small, --dtype and --threads")
+    if scaling and args.dtype != "float32":
+        parser.error("argument --threads: a list of counts runs the fp32 scaling table; drop --dtype")
+    if scaling and (args.extra or args.small):
+        parser.error("argument --threads: a list of counts runs on S1-S3 (or --smoke's shapes); drop --extra and "
+                     "--small")
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command a results file names: the flags that choose what was run."""
+    parts = ["deform-conv bench"] + [f"--{flag}" for flag in ("smoke", "extra", "small") if getattr(args, flag)]
+    if args.threads is not None:
+        parts.append("--threads " + ",".join(map(str, args.threads)))
+    if args.dtype != "float32":
+        parts.append(f"--dtype {args.dtype}")
+    return " ".join(parts)
+
+
+def _write(out: Optional[Path], name: str, text: str) -> None:
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+        print(f"wrote {out / name}")
+
+
+def threads_main(parser: argparse.ArgumentParser, args: argparse.Namespace, min_seconds: float, steadied: bool) -> int:
+    """The thread-scaling table (a list given to --threads)."""
+    counts, notes = usable_thread_counts(args.threads)
+    for note in notes:
+        print(note)
+    if not counts:
+        parser.error(f"argument --threads: every count is above the {os.cpu_count()} cores")
+    env = environment(steadied, threads=counts)
+    print(env)
+    print(threads_header(counts[0]))
+    rows = run_threads(SMOKE_CASES if args.smoke else SCALING_CASES, counts, min_seconds)
+    lines = [format_threads_row(r) for r in rows]
+    _write(args.out, "cpu_threads.md",
+           _document("CPU thread scaling", command_line(args), env, threads_header(counts[0]), lines, notes))
+    return 0
+
+
+def half_main(args: argparse.Namespace, cases: Sequence[Case], min_seconds: float, steadied: bool) -> int:
+    """The bfloat16 or float16 table."""
+    dtype = DTYPES[args.dtype]
+    env = environment(steadied, dtype=dtype)
+    print(env)
+    print(half_header(dtype))
+    rows = run_half(cases, dtype, min_seconds)
+    _write(args.out, f"cpu_{args.dtype}.md", _document(f"CPU speed, {args.dtype}", command_line(args), env,
+                                                      half_header(dtype), [format_half_row(r) for r in rows]))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
+    _check_combinations(parser, args)
     if args.gpu:
         return gpu_main(args.out, min_seconds=min(args.min_seconds, 0.3))
-    cases = SMOKE_CASES if args.smoke else CASES + (EXTRA_CASES if args.extra else [])
+    cases = (SMOKE_CASES if args.smoke
+             else CASES + (EXTRA_CASES if args.extra else []) + (SMALL_CASES if args.small else []))
     min_seconds = 0.05 if args.smoke else args.min_seconds
     steadied = steady_malloc()  # for this process, which ends with the run
+    if args.threads is not None and len(args.threads) > 1:
+        return threads_main(parser, args, min_seconds, steadied)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads[0])
+    if args.dtype != "float32":
+        return half_main(args, cases, min_seconds, steadied)
     print(environment(steadied))
     print(HEADER)
     rows = run(cases, min_seconds=min_seconds, memory=True, onnx=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        command = "deform-conv bench" + (" --smoke" if args.smoke else "") + (" --extra" if args.extra else "")
-        (args.out / "cpu.md").write_text(markdown(rows, command, steadied))
+        (args.out / "cpu.md").write_text(markdown(rows, command_line(args), steadied))
         plotted = plot(rows, args.out / "cpu.png")
         print(f"wrote {args.out / 'cpu.md'}" + (f" and {args.out / 'cpu.png'}" if plotted else " (no plot: matplotlib missing)"))
     return 0
