@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 from typing import Callable, List, Optional, Tuple
 
 import pytest
@@ -120,3 +122,18 @@ def assert_all_close_nonfinite(actual, expected, dtype: torch.dtype, same_nan: b
         if same_nan:
             assert torch.equal(torch.isnan(a), torch.isnan(e)), f"result {i}: NaN in different places"
         torch.testing.assert_close(a[finite], e[finite], rtol=rtol, atol=atol, msg=lambda m: f"result {i}: {m}")
+
+
+@contextlib.contextmanager
+def half_gemm_path(mode: str):
+    """DEFORM_CONV_CPU_HALF_GEMM for the calls inside ("auto", "float32" or "portable"; cpu/half_gemm.h): the
+    library reads it on every call."""
+    before = os.environ.get("DEFORM_CONV_CPU_HALF_GEMM")
+    os.environ["DEFORM_CONV_CPU_HALF_GEMM"] = mode
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["DEFORM_CONV_CPU_HALF_GEMM"]
+        else:
+            os.environ["DEFORM_CONV_CPU_HALF_GEMM"] = before

@@ -96,7 +96,9 @@ def test_non_finite_mask_propagates_as_a_multiplication():
 
 
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_non_finite_offsets_in_half_types(half):
+def test_non_finite_offsets_in_half_types(half, monkeypatch):
+    """On the float32 path (the native forward's non-finite values: test_half_precision.py)."""
+    monkeypatch.setenv("DEFORM_CONV_CPU_HALF_GEMM", "float32")
     case = make_case(torch.float32)
     with_special_offsets(case, half)
     halves = [t.to(half) for t in case.tensors()]

@@ -88,6 +88,7 @@ def check() -> int:
         print("FAILED: no compiled CPU kernels are loaded (DEFORM_CONV_FALLBACK=reference runs the reference)")
         return 1
     print(f"  cpu GEMMs  {_doctor.batch_reduce_gemm()}")
+    print(f"  cpu half   {_doctor.half_precision_paths()}")
     ok = True
     names = ("output", "grad_input", "grad_offset", "grad_weight", "grad_bias", "grad_mask")
     # The CUDA kernels too, where their library is loaded and a GPU is visible.

@@ -31,6 +31,13 @@ def batch_reduce_gemm() -> str:
             "on; as exact, but slower, and float32 sums depend on the thread count")
 
 
+def half_precision_paths() -> str:
+    """The path bfloat16 and float16 forwards take here, as the loaded CPU library says
+    (torch.ops.deform_conv.cpu_half_path): native where the CPU has AMX or AVX512-BF16/FP16 and oneDNN runs them,
+    float32 otherwise."""
+    return "; ".join(torch.ops.deform_conv.cpu_half_path(dtype) for dtype in (torch.bfloat16, torch.float16))
+
+
 def doctor() -> int:
     problems: List[str] = []
     print(f"deform_conv {__version__} doctor")
@@ -110,6 +117,7 @@ def doctor() -> int:
             try:  # the library itself knows what it was compiled with; loading it runs no compiler
                 _loader._load(variant, prebuilt if prebuilt.usable else found)
                 print(f"  {'cpu GEMMs':12s} {batch_reduce_gemm()}")
+                print(f"  {'cpu half':12s} {half_precision_paths()}")
             except _loader.BuildError as error:
                 if str(error).replace("\n", " ") not in problems:
                     problems.append(str(error).replace("\n", " "))

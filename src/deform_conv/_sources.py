@@ -13,7 +13,8 @@ CPU_SOURCES = (
     "ops.cpp",
     *(_DEFORM_CONV2D + name for name in (
         "conv_params.cpp", "columns_driver.cpp", "cpu/sampling_passes.cpp", "cpu/scratch.cpp", "cpu/depthwise.cpp",
-        "cpu/transpose.cpp", "cpu/brgemm.cpp", "cpu/tiled_forward.cpp", "cpu/deform_conv_cpu.cpp")),
+        "cpu/transpose.cpp", "cpu/brgemm.cpp", "cpu/half_conversion.cpp", "cpu/half_gemm.cpp", "cpu/tiled_forward.cpp",
+        "cpu/deform_conv_cpu.cpp")),
     *(_MS_DEFORM_ATTN + name for name in ("attention_params.cpp", "cpu/ms_deform_attn_cpu.cpp")),
 )
 

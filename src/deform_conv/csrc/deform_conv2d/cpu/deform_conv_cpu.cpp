@@ -1,7 +1,8 @@
 // CPU backend: the three sampling passes (sampling_passes.cpp), dispatched over float32/float64, behind the shared
 // chunk-and-GEMM driver; float32 forwards whose tiles hold 32 pixels fuse sampling and GEMM per tile
 // (tiled_forward.cpp), and float32 backward GEMMs run on the batch-reduce GEMM (brgemm.cpp); depthwise layers
-// take their own path without GEMMs (depthwise.cpp); the half types run through float32.
+// take their own path without GEMMs (depthwise.cpp). The half types' forwards take the tiled path too where the
+// CPU multiplies them natively (half_gemm.h); everything else of theirs runs through float32.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -53,8 +54,8 @@ void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, in
 constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(8) << 20, /*gemm_as_convolution=*/true,
                                  /*backward_gemms=*/backward_gemms, scratch};
 
-// float16 and bfloat16 (e.g. under CPU autocast) are computed in float32 -- the kernels accumulate in fp32
-// anyway -- and each result is rounded once to the input's dtype.
+// float16 and bfloat16 (e.g. under CPU autocast) are computed in float32 where they have no path of their own --
+// the kernels accumulate in fp32 anyway -- and each result is rounded once to the input's dtype.
 bool is_half_type(const at::Tensor& t) {
   return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
 }
@@ -73,6 +74,7 @@ at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::
   follow_torch_thread_count();
   const ConvParams p = make_conv_params(input, offset, weight, mask, bias, stride, padding, dilation, border_gradient);
   if (is_half_type(input)) {
+    if (!p.is_depthwise() && tiled_forward_applies(p, input)) return tiled_forward(p, input, offset, mask, weight, bias);
     return forward(widened(input), widened(offset), widened(weight), widened(mask), widened(bias), stride, padding,
                    dilation, border_gradient)
         .to(input.scalar_type());

@@ -4,8 +4,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "brgemm.h"
+#include "half_conversion.h"
+#include "half_gemm.h"
 #include "sampling_passes.h"
 #include "scratch.h"
 #include "transpose.h"
@@ -27,127 +30,223 @@ constexpr int64_t kMinTilePixels = 32;
 constexpr int64_t kMaxTurnedImageBytes = int64_t(4) << 20;
 // Output channels per GEMM: four AVX-512 vectors of float32.
 constexpr int64_t kPanelWidth = 64;
+// The half types' images are widened this many channels at a time on their way to channels-last.
+constexpr int64_t kTurnedChannels = 16;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool is_half_type(at::ScalarType dtype) { return dtype == at::kBFloat16 || dtype == at::kHalf; }
 
 // Output pixels of an image are cut into `tiles` tiles of `pixels` (the last one may be shorter).
 struct Tiling {
   int64_t pixels, tiles;
 };
 
-// Bytes per pixel of a tile: its columns and its product.
-int64_t tile_bytes_per_pixel(const ConvParams& p) {
-  return (p.taps() * p.in_channels + p.out_channels) * static_cast<int64_t>(sizeof(float));
+// Bytes per pixel of a tile: its columns and its product in float32, and for the half types the columns once
+// more, rounded.
+int64_t tile_bytes_per_pixel(const ConvParams& p, at::ScalarType dtype) {
+  const int64_t half_columns = is_half_type(dtype) ? p.taps() * p.in_channels * 2 : 0;
+  return (p.taps() * p.in_channels + p.out_channels) * static_cast<int64_t>(sizeof(float)) + half_columns;
 }
 
 // As large as kTileBytes allows, but small enough (down to kMinTilePixels) that every thread gets a tile.
-Tiling tiling(const ConvParams& p, int64_t threads) {
-  const int64_t most = std::max<int64_t>(1, kTileBytes / tile_bytes_per_pixel(p));
+Tiling tiling(const ConvParams& p, at::ScalarType dtype, int64_t threads) {
+  const int64_t most = std::max<int64_t>(1, kTileBytes / tile_bytes_per_pixel(p, dtype));
   const int64_t enough = std::max(kMinTilePixels, ceil_div(p.out_pixels(), ceil_div(threads, p.batch)));
   const int64_t tiles = ceil_div(p.out_pixels(), std::min(most, enough));
   return {ceil_div(p.out_pixels(), tiles), tiles};
 }
 
-// The input in channels-last memory: itself if it is already, else a copy in this thread's scratch memory.
-at::Tensor channels_last(const at::Tensor& input) {
-  if (input.is_contiguous(at::MemoryFormat::ChannelsLast)) return input;
-  return scratch(ScratchSlot::channels_last_input, input.sizes(), input.options()).copy_(input);
+// The input in float32 channels-last memory: itself if it is already, else a copy (widened for the half types)
+// in this thread's scratch memory.
+at::Tensor float_channels_last(const at::Tensor& input) {
+  if (input.scalar_type() == at::kFloat && input.is_contiguous(at::MemoryFormat::ChannelsLast)) return input;
+  return scratch(ScratchSlot::channels_last_input, input.sizes(), input.options().dtype(at::kFloat)).copy_(input);
+}
+
+// Image n, channels-first [C_in, H*W] in `scalar_t`, into `turned`, channels-last float32 [H*W, C_in]. The half
+// types are widened 16 channels at a time into `staging` [16, H*W] first.
+template <typename scalar_t>
+void turn_image(const ConvParams& p, const scalar_t* image, float* staging, float* turned) {
+  const int64_t plane = p.height * p.width;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    (void)staging;
+    transpose(image, p.in_channels, plane, plane, turned, p.in_channels);
+  } else {
+    for (int64_t c0 = 0; c0 < p.in_channels; c0 += kTurnedChannels) {
+      const int64_t channels = std::min(kTurnedChannels, p.in_channels - c0);
+      widen(image + c0 * plane, channels * plane, staging);
+      transpose(staging, channels, plane, plane, turned + c0, p.in_channels);
+    }
+  }
 }
 
 // The weight [C_out, C_in/G, kh, kw] as the GEMMs read it: for each group, its output channels in panels of
 // kPanelWidth (the last one may be narrower), each panel a contiguous [taps * C_in/G, width] matrix whose rows
-// follow the columns (taps outer, channels inner). Panel c of group g starts at (g * C_out/G + c) * taps * C_in/G.
-// A GEMM then reads its factor as one contiguous stream instead of one short piece per row a whole weight row
-// apart, which starves it once the weight is larger than the cache.
-at::Tensor weight_panels(const ConvParams& p, const at::Tensor& weight) {
+// follow the columns (taps outer, channels inner). A GEMM then reads its factor as one contiguous stream instead
+// of one short piece per row a whole weight row apart, which starves it once the weight is larger than the cache.
+// float32: panel c of group g starts at (g * C_out/G + c) * taps * C_in/G. The half types: each panel packed for
+// the half GEMM (pack_weight_panel) in a slot of panel_slot() elements, panel c of group g in slot
+// g * panels_per_group + c / kPanelWidth.
+struct WeightPanels {
+  at::Tensor data;
+  int64_t panels_per_group, slot;
+};
+
+int64_t panel_slot(const ConvParams& p) {
+  return p.taps() * p.in_channels_per_group() * packed_width(std::min(kPanelWidth, p.out_channels_per_group()));
+}
+
+template <typename scalar_t>
+WeightPanels weight_panels(const ConvParams& p, const at::Tensor& weight, const HalfGemm& gemm) {
   const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
+  const int64_t panels_per_group = ceil_div(out_per_group, kPanelWidth);
   // [G, taps * C_in/G, C_out/G]
   const at::Tensor by_group =
       weight.permute({0, 2, 3, 1}).reshape({p.groups, out_per_group, per_group}).transpose(1, 2).contiguous();
-  if (out_per_group <= kPanelWidth) return by_group;
-  at::Tensor panels = at::empty({p.out_channels * per_group}, weight.options());
-  for (int64_t g = 0; g < p.groups; ++g) {
-    for (int64_t c = 0; c < out_per_group; c += kPanelWidth) {
-      const int64_t width = std::min(kPanelWidth, out_per_group - c);
-      panels.narrow(0, (g * out_per_group + c) * per_group, per_group * width)
-          .view({per_group, width})
-          .copy_(by_group[g].narrow(1, c, width));
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    (void)gemm;
+    if (out_per_group <= kPanelWidth) return {by_group, panels_per_group, 0};
+    at::Tensor panels = at::empty({p.out_channels * per_group}, weight.options());
+    for (int64_t g = 0; g < p.groups; ++g) {
+      for (int64_t c = 0; c < out_per_group; c += kPanelWidth) {
+        const int64_t width = std::min(kPanelWidth, out_per_group - c);
+        panels.narrow(0, (g * out_per_group + c) * per_group, per_group * width)
+            .view({per_group, width})
+            .copy_(by_group[g].narrow(1, c, width));
+      }
     }
+    return {panels, panels_per_group, 0};
+  } else {
+    const int64_t slot = panel_slot(p);
+    at::Tensor packed = at::empty({p.groups * panels_per_group * slot}, weight.options());
+    const scalar_t* from = by_group.const_data_ptr<scalar_t>();
+    scalar_t* to = packed.mutable_data_ptr<scalar_t>();
+    for (int64_t g = 0; g < p.groups; ++g) {
+      for (int64_t c = 0; c < out_per_group; c += kPanelWidth) {
+        pack_weight_panel(gemm, per_group, std::min(kPanelWidth, out_per_group - c),
+                          from + g * per_group * out_per_group + c, out_per_group,
+                          to + (g * panels_per_group + c / kPanelWidth) * slot);
+      }
+    }
+    return {packed, panels_per_group, slot};
   }
-  return panels;
 }
 
-}  // namespace
-
-bool tiled_forward_applies(const ConvParams& p, const at::Tensor& input) {
-  return input.scalar_type() == at::kFloat && tile_bytes_per_pixel(p) * kMinTilePixels <= kTileBytes &&
-         batch_reduce_gemm_works();
-}
-
-at::Tensor tiled_forward(const ConvParams& p, const at::Tensor& input, const at::Tensor& offset,
-                         const std::optional<at::Tensor>& mask, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& bias) {
+template <typename scalar_t>
+at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const at::Tensor& offset,
+                            const std::optional<at::Tensor>& mask, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias) {
+  constexpr bool kHalf = !std::is_same_v<scalar_t, float>;
   at::Tensor output = at::empty({p.batch, p.out_channels, p.out_h, p.out_w}, input.options());
   if (output.numel() == 0) return output;
 
+  const HalfGemm gemm = kHalf ? half_gemm_for(input.scalar_type()) : HalfGemm{};
   const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
   const int64_t row_size = p.taps() * p.in_channels, pixels = p.out_pixels();
-  const int64_t image_size = p.height * p.width * p.in_channels;
-  const Tiling tiles = tiling(p, at::get_num_threads());
-  const int64_t tile_floats = (row_size + p.out_channels) * tiles.pixels;
+  const int64_t plane = p.height * p.width, image_size = plane * p.in_channels;
+  const Tiling tiles = tiling(p, input.scalar_type(), at::get_num_threads());
+  // Per thread: the tile's float32 columns and product, then (the half types) its rounded columns, then the
+  // thread's turned image and (the half types) the staging rows it is widened through.
+  const int64_t tile_floats = (row_size + p.out_channels) * tiles.pixels + (kHalf ? ceil_div(row_size * tiles.pixels, 2) : 0);
 
   // Each thread turns the images it works on to channels-last itself, into a buffer that stays in its cache
   // (an image whose tiles two threads share is turned by both). That pays where most images are one thread's
-  // alone; otherwise the input is turned once, up front, by all threads.
+  // alone; otherwise the input is turned (and widened) once, up front, by all threads.
   const bool turn_per_thread = input.is_contiguous() && p.batch >= at::get_num_threads() &&
                                image_size * int64_t(sizeof(float)) <= kMaxTurnedImageBytes;
-  const at::Tensor input_cl = turn_per_thread ? input : channels_last(input);
-  const at::Tensor offset_c = offset.contiguous();
-  const at::Tensor mask_c = mask.has_value() ? mask->contiguous() : at::Tensor();
-  const at::Tensor panels = weight_panels(p, weight);
-  const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const float* images = input_cl.const_data_ptr<float>();
+  const int64_t turn_floats =
+      turn_per_thread ? image_size + (kHalf ? std::min(kTurnedChannels, p.in_channels) * plane : 0) : 0;
+  const at::Tensor input_c = turn_per_thread ? input : float_channels_last(input);
+  // The sampling reads float32 offsets and masks (a few values per pixel, widened up front for the half types).
+  const at::Tensor offset_c = offset.to(at::kFloat).contiguous();
+  const at::Tensor mask_c = mask.has_value() ? mask->to(at::kFloat).contiguous() : at::Tensor();
+  const WeightPanels panels = weight_panels<scalar_t>(p, weight, gemm);
+  const at::Tensor bias_c = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* offsets = offset_c.const_data_ptr<float>();
   const float* masks = mask_c.defined() ? mask_c.const_data_ptr<float>() : nullptr;
-  const float* weights = panels.const_data_ptr<float>();
+  const scalar_t* weights = panels.data.const_data_ptr<scalar_t>();
   const float* bias_ptr = bias_c.defined() ? bias_c.const_data_ptr<float>() : nullptr;
-  float* out = output.mutable_data_ptr<float>();
+  scalar_t* out = output.mutable_data_ptr<scalar_t>();
 
   at::parallel_for(0, p.batch * tiles.tiles, 1, [&](int64_t begin, int64_t end) {
     float* columns = static_cast<float*>(
-        scratch_bytes(ScratchSlot::tile, (tile_floats + (turn_per_thread ? image_size : 0)) * int64_t(sizeof(float))));
-    float* product = columns + row_size * tiles.pixels;  // [tile pixels, C_out]
-    float* turned = product + p.out_channels * tiles.pixels;  // this thread's image, channels-last
+        scratch_bytes(ScratchSlot::tile, (tile_floats + turn_floats) * int64_t(sizeof(float))));
+    float* product = columns + row_size * tiles.pixels;      // [tile pixels, C_out]
+    float* after_product = product + p.out_channels * tiles.pixels;
+    scalar_t* rounded = reinterpret_cast<scalar_t*>(after_product);  // the half types: [tile pixels, row_size]
+    float* turned = after_product + (kHalf ? ceil_div(row_size * tiles.pixels, 2) : 0);  // channels-last image
+    float* staging = turned + image_size;
     int64_t turned_image = -1;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / tiles.tiles, first = task % tiles.tiles * tiles.pixels;
       const int64_t len = std::min(tiles.pixels, pixels - first);
       if (turn_per_thread && n != turned_image) {
-        transpose(images + n * image_size, p.in_channels, p.height * p.width, p.height * p.width, turned,
-                  p.in_channels);
+        turn_image(p, input_c.const_data_ptr<scalar_t>() + n * image_size, staging, turned);
         turned_image = n;
       }
       // Image n alone, as image 0.
-      const SamplingInputs<float> in{turn_per_thread ? turned : images + n * image_size,
+      const SamplingInputs<float> in{turn_per_thread ? turned : input_c.const_data_ptr<float>() + n * image_size,
                                      offsets + p.offset_index(n, 0, 0, 0),
                                      masks != nullptr ? masks + p.mask_index(n, 0, 0, 0) : nullptr};
       fill_column_rows(p, in, /*first_image=*/0, first, first + len, columns);
       // product[:, group g's panel] = columns[:, group g] x panel
+      if constexpr (kHalf) narrow(columns, len * row_size, rounded);
       for (int64_t g = 0; g < p.groups; ++g) {
         for (int64_t c = 0; c < out_per_group; c += kPanelWidth) {
           const int64_t width = std::min(kPanelWidth, out_per_group - c);
-          gemm_on_this_thread(len, width, per_group, columns + g * per_group, row_size,
-                              weights + (g * out_per_group + c) * per_group, width, product + g * out_per_group + c,
-                              p.out_channels, /*accumulate=*/false);
+          if constexpr (kHalf) {
+            half_gemm_on_this_thread(gemm, len, width, per_group, rounded + g * per_group, row_size,
+                                     weights + (g * panels.panels_per_group + c / kPanelWidth) * panels.slot,
+                                     product + g * out_per_group + c, p.out_channels, /*accumulate=*/false);
+          } else {
+            gemm_on_this_thread(len, width, per_group, columns + g * per_group, row_size,
+                                weights + (g * out_per_group + c) * per_group, width, product + g * out_per_group + c,
+                                p.out_channels, /*accumulate=*/false);
+          }
         }
       }
       // The product [len, C_out] into output[n, :, first : first + len], with the bias.
-      transpose(product, len, p.out_channels, p.out_channels, out + n * p.out_channels * pixels + first, pixels,
-                bias_ptr);
+      if constexpr (kHalf) {
+        transpose_narrowing(product, len, p.out_channels, p.out_channels, out + n * p.out_channels * pixels + first,
+                            pixels, bias_ptr);
+      } else {
+        transpose(product, len, p.out_channels, p.out_channels, out + n * p.out_channels * pixels + first, pixels,
+                  bias_ptr);
+      }
     }
-    release_gemm_context();
+    if constexpr (kHalf) {
+      release_half_gemm_context(gemm);
+    } else {
+      release_gemm_context();
+    }
   });
   return output;
+}
+
+}  // namespace
+
+bool tiled_forward_applies(const ConvParams& p, const at::Tensor& input) {
+  const at::ScalarType dtype = input.scalar_type();
+  if (tile_bytes_per_pixel(p, dtype) * kMinTilePixels > kTileBytes) return false;
+  if (dtype == at::kFloat) return batch_reduce_gemm_works();
+  return is_half_type(dtype) && p.taps() * p.in_channels_per_group() % 2 == 0 &&
+         half_gemm_for(dtype).uses_native_path();
+}
+
+at::Tensor tiled_forward(const ConvParams& p, const at::Tensor& input, const at::Tensor& offset,
+                         const std::optional<at::Tensor>& mask, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias) {
+  switch (input.scalar_type()) {
+    case at::kFloat:
+      return tiled_forward_in<float>(p, input, offset, mask, weight, bias);
+    case at::kBFloat16:
+      return tiled_forward_in<c10::BFloat16>(p, input, offset, mask, weight, bias);
+    case at::kHalf:
+      return tiled_forward_in<c10::Half>(p, input, offset, mask, weight, bias);
+    default:
+      TORCH_CHECK(false, "deform_conv: tiled_forward does not serve ", input.scalar_type());
+  }
 }
 
 }  // namespace cpu

@@ -1,0 +1,109 @@
+#include "half_conversion.h"
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+#include "sampling_point.h"
+
+namespace deform_conv {
+namespace cpu {
+namespace {
+
+// bfloat16 is the upper half of a float32: widening is a shift, rounding adds half a unit of the dropped bits
+// (ties to even) -- c10::BFloat16's rule, written on the bits so that the compiler vectorises it.
+DC_CPU_DISPATCH void widen_bfloat16(const uint16_t* src, int64_t n, uint32_t* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = uint32_t(src[i]) << 16;
+}
+
+DC_CPU_DISPATCH void narrow_bfloat16(const uint32_t* src, int64_t n, uint16_t* dst) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = src[i];
+    const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    dst[i] = nan ? uint16_t(0x7fc0) : uint16_t(rounded);
+  }
+}
+
+// float16 has a different exponent range: the conversion is F16C's instruction where the CPU has it (every x86
+// CPU with AVX2), c10::Half's software rounding elsewhere -- ten times slower, and the same values.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DC_HAVE_F16C_PATH 1
+__attribute__((target("avx,f16c"))) void widen_half_f16c(const c10::Half* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i].x);
+}
+
+__attribute__((target("avx,f16c"))) void narrow_half_f16c(const float* src, int64_t n, c10::Half* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  for (; i < n; ++i) dst[i].x = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+bool has_f16c() {
+  static const bool has = __builtin_cpu_supports("f16c");
+  return has;
+}
+#endif
+
+}  // namespace
+
+void widen(const c10::BFloat16* src, int64_t n, float* dst) {
+  widen_bfloat16(reinterpret_cast<const uint16_t*>(src), n, reinterpret_cast<uint32_t*>(dst));
+}
+
+void narrow(const float* src, int64_t n, c10::BFloat16* dst) {
+  narrow_bfloat16(reinterpret_cast<const uint32_t*>(src), n, reinterpret_cast<uint16_t*>(dst));
+}
+
+void widen(const c10::Half* src, int64_t n, float* dst) {
+#ifdef DC_HAVE_F16C_PATH
+  if (has_f16c()) return widen_half_f16c(src, n, dst);
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+void narrow(const float* src, int64_t n, c10::Half* dst) {
+#ifdef DC_HAVE_F16C_PATH
+  if (has_f16c()) return narrow_half_f16c(src, n, dst);
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::Half(src[i]);
+}
+
+template <typename half_t>
+void transpose_narrowing(const float* src, int64_t rows, int64_t cols, int64_t ld_src, half_t* dst, int64_t ld_dst,
+                         const float* add) {
+  // In blocks of 16 rows of src, as transpose() does; each block of a dst row is gathered in float32 and rounded
+  // in one call.
+  constexpr int64_t kBlock = 16;
+  float gathered[kBlock];
+  for (int64_t i0 = 0; i0 < rows; i0 += kBlock) {
+    const int64_t block = std::min(kBlock, rows - i0);
+    for (int64_t j = 0; j < cols; ++j) {
+      const float* from = src + i0 * ld_src + j;
+      if (add != nullptr) {
+        for (int64_t i = 0; i < block; ++i) gathered[i] = from[i * ld_src] + add[j];
+      } else {
+        for (int64_t i = 0; i < block; ++i) gathered[i] = from[i * ld_src];
+      }
+      narrow(gathered, block, dst + j * ld_dst + i0);
+    }
+  }
+}
+
+template void transpose_narrowing<c10::BFloat16>(const float*, int64_t, int64_t, int64_t, c10::BFloat16*, int64_t,
+                                                 const float*);
+template void transpose_narrowing<c10::Half>(const float*, int64_t, int64_t, int64_t, c10::Half*, int64_t,
+                                             const float*);
+
+}  // namespace cpu
+}  // namespace deform_conv

@@ -1,0 +1,200 @@
+#include "half_gemm.h"
+
+#include <ATen/Context.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace deform_conv {
+namespace cpu {
+namespace {
+
+// Rows of the weight per GEMM call, as for float32 (brgemm.cpp); each block is packed on its own, so the call for
+// a block reads one packed matrix whatever oneDNN's layout.
+constexpr int64_t kDepthBlock = 512;
+
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32)
+#define DC_HALF_BRGEMM 1
+#endif
+
+bool cpu_supports(const char* feature) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+  if (std::strcmp(feature, "avx512bf16") == 0) return __builtin_cpu_supports("avx512bf16");
+  if (std::strcmp(feature, "avx512fp16") == 0) return __builtin_cpu_supports("avx512fp16");
+#endif
+  (void)feature;
+  return false;
+}
+
+template <typename half_t>
+void brgemm_call(int64_t m, int64_t n, int64_t k, int64_t ld_a, int64_t ld_b, int64_t ld_c, bool add_c,
+                 const half_t* a, const half_t* b, float* c, bool vnni) {
+#ifdef DC_HALF_BRGEMM
+  at::native::cpublas::brgemm(m, n, k, ld_a, ld_b, ld_c, add_c, a, b, c, vnni);
+#else
+  TORCH_CHECK(false, "deform_conv: ATen has no half-precision batch-reduce GEMM (torch < 2.9)");
+#endif
+}
+
+// One candidate's answer on a product whose every sum is exact in float32: small integers, which both half
+// types hold exactly. A wrong layout mixes rows and columns and gives other sums.
+template <typename half_t>
+bool computes_exactly(const HalfGemm& gemm) {
+  constexpr int64_t m = 3, n = 16, k = 6;
+  std::vector<half_t> a(m * k), b(k * n), packed(k * packed_width(n));
+  std::vector<float> expected(m * n, 0.f), c(m * n, -1.f);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t r = 0; r < k; ++r) a[i * k + r] = half_t(float((i + 1) * (r % 4) - 3 + r));
+  }
+  for (int64_t r = 0; r < k; ++r) {
+    for (int64_t j = 0; j < n; ++j) b[r * n + j] = half_t(float((j % 7) - 3 + 2 * r));
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t r = 0; r < k; ++r) expected[i * n + j] += float(a[i * k + r]) * float(b[r * n + j]);
+    }
+  }
+  try {
+    pack_weight_panel(gemm, k, n, b.data(), n, packed.data());
+    half_gemm_on_this_thread(gemm, m, n, k, a.data(), k, packed.data(), c.data(), n, /*accumulate=*/false);
+    release_half_gemm_context(gemm);
+  } catch (const c10::Error&) {  // ATen refuses: oneDNN cannot run this layout here
+    return false;
+  }
+  return c == expected;
+}
+
+template <typename half_t>
+HalfGemm probe(c10::ScalarType dtype) {
+  using Layout = HalfGemm::Layout;
+  std::vector<HalfGemm> candidates{{Layout::aten_packed, true}};  // AMX: ATen packs for it
+  // Without AMX the microkernels of AVX512-BF16 / AVX512-FP16; not on plain AVX-512, where oneDNN would emulate
+  // the half types more slowly than float32 runs.
+  if (cpu_supports(dtype == c10::kBFloat16 ? "avx512bf16" : "avx512fp16")) {
+    candidates.push_back({Layout::vnni_pairs, true});
+    candidates.push_back({Layout::plain, true});
+  }
+  for (const HalfGemm& candidate : candidates) {
+    if (computes_exactly<half_t>(candidate)) return candidate;
+  }
+  return {};
+}
+
+}  // namespace
+
+HalfGemmChoice half_gemm_choice() {
+  const char* value = std::getenv("DEFORM_CONV_CPU_HALF_GEMM");
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) return HalfGemmChoice::automatic;
+  if (std::strcmp(value, "float32") == 0) return HalfGemmChoice::float32;
+  if (std::strcmp(value, "portable") == 0) return HalfGemmChoice::portable;
+  TORCH_CHECK(false, "deform_conv: DEFORM_CONV_CPU_HALF_GEMM must be auto, float32 or portable, got '", value, "'");
+}
+
+HalfGemm half_gemm_for(c10::ScalarType dtype) {
+  TORCH_CHECK(dtype == c10::kBFloat16 || dtype == c10::kHalf, "deform_conv: half_gemm_for(", dtype, ")");
+  switch (half_gemm_choice()) {
+    case HalfGemmChoice::float32:
+      return {};
+    case HalfGemmChoice::portable:
+      return {HalfGemm::Layout::plain, false};
+    case HalfGemmChoice::automatic:
+      break;
+  }
+#if defined(DC_HALF_BRGEMM) && (defined(__x86_64__) || defined(_M_X64))
+  // oneDNN off (torch.backends.mkldnn.enabled = False): ATen would not call it; probed the first time it is on.
+  if (!at::hasMKLDNN() || !at::globalContext().userEnabledMkldnn()) return {};
+  if (dtype == c10::kBFloat16) {
+    static const HalfGemm bfloat16 = probe<c10::BFloat16>(dtype);
+    return bfloat16;
+  }
+  static const HalfGemm float16 = probe<c10::Half>(dtype);
+  return float16;
+#else
+  return {};
+#endif
+}
+
+std::string cpu_half_path(c10::ScalarType dtype) {
+  TORCH_CHECK(dtype == c10::kBFloat16 || dtype == c10::kHalf,
+              "cpu_half_path: dtype must be torch.bfloat16 or torch.float16, got ", dtype);
+  const std::string name = dtype == c10::kBFloat16 ? "bfloat16" : "float16";
+  const HalfGemm gemm = half_gemm_for(dtype);
+  const char* isa = dtype == c10::kBFloat16 ? "AVX512-BF16" : "AVX512-FP16";
+  switch (gemm.layout) {
+    case HalfGemm::Layout::aten_packed:
+      return name + " forward: native, " + name + " GEMMs on oneDNN's AMX microkernels (weights packed by ATen)";
+    case HalfGemm::Layout::vnni_pairs:
+      return name + " forward: native, " + name + " GEMMs on oneDNN's " + isa + " microkernels (weights in VNNI pairs)";
+    case HalfGemm::Layout::plain:
+      if (gemm.vnni) return name + " forward: native, " + name + " GEMMs on oneDNN's " + isa + " microkernels";
+      return name + " forward: " + name + " GEMMs on ATen's portable GEMM (DEFORM_CONV_CPU_HALF_GEMM=portable)";
+    case HalfGemm::Layout::none:
+      break;
+  }
+  if (half_gemm_choice() == HalfGemmChoice::float32) {
+    return name + ": computed in float32 (DEFORM_CONV_CPU_HALF_GEMM=float32)";
+  }
+  return name + ": computed in float32 (no native " + name +
+         " GEMM here: it needs AMX or " + isa + " and oneDNN on)";
+}
+
+int64_t packed_width(int64_t width) { return (width + 15) / 16 * 16; }
+
+template <typename half_t>
+void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const half_t* b, int64_t ld_b, half_t* packed) {
+  TORCH_CHECK(k % 2 == 0 && width <= 64, "deform_conv: pack_weight_panel(k=", k, ", width=", width, ")");
+  const int64_t ld = packed_width(width);
+  std::fill(packed, packed + k * ld, half_t(0.f));
+  for (int64_t k0 = 0; k0 < k; k0 += kDepthBlock) {
+    const int64_t rows = std::min(kDepthBlock, k - k0);
+    const half_t* from = b + k0 * ld_b;
+    half_t* to = packed + k0 * ld;
+    switch (gemm.layout) {
+      case HalfGemm::Layout::aten_packed:
+        at::native::cpublas::pack(rows, width, ld_b, ld, c10::CppTypeToScalarType<half_t>::value,
+                                  c10::CppTypeToScalarType<half_t>::value, from, to);
+        break;
+      case HalfGemm::Layout::vnni_pairs:  // rows 2r and 2r + 1 interleaved: element (r, j) at r/2 * 2ld + 2j + r%2
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t j = 0; j < width; ++j) to[r / 2 * 2 * ld + 2 * j + r % 2] = from[r * ld_b + j];
+        }
+        break;
+      case HalfGemm::Layout::plain:
+        for (int64_t r = 0; r < rows; ++r) std::copy(from + r * ld_b, from + r * ld_b + width, to + r * ld);
+        break;
+      case HalfGemm::Layout::none:
+        TORCH_CHECK(false, "deform_conv: no half-precision GEMM to pack for");
+    }
+  }
+}
+
+template <typename half_t>
+void half_gemm_on_this_thread(const HalfGemm& gemm, int64_t m, int64_t n, int64_t k, const half_t* a, int64_t ld_a,
+                              const half_t* packed, float* c, int64_t ld_c, bool accumulate) {
+  const int64_t ld = packed_width(n);
+  for (int64_t k0 = 0; k0 < k; k0 += kDepthBlock) {
+    brgemm_call(m, n, std::min(kDepthBlock, k - k0), ld_a, ld, ld_c, accumulate || k0 > 0, a + k0, packed + k0 * ld, c,
+                gemm.vnni);
+  }
+}
+
+void release_half_gemm_context(const HalfGemm& gemm) {
+#ifdef DC_HALF_BRGEMM
+  if (gemm.vnni) at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+#endif
+}
+
+#define DEFORM_CONV_INSTANTIATE(T)                                                                         \
+  template void pack_weight_panel<T>(const HalfGemm&, int64_t, int64_t, const T*, int64_t, T*);           \
+  template void half_gemm_on_this_thread<T>(const HalfGemm&, int64_t, int64_t, int64_t, const T*, int64_t, \
+                                            const T*, float*, int64_t, bool);
+DEFORM_CONV_INSTANTIATE(c10::BFloat16)
+DEFORM_CONV_INSTANTIATE(c10::Half)
+#undef DEFORM_CONV_INSTANTIATE
+
+}  // namespace cpu
+}  // namespace deform_conv

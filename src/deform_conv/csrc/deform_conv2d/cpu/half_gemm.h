@@ -1,0 +1,58 @@
+// The half types' GEMMs (bfloat16 and float16 factors, float32 sums) on ATen's batch-reduce GEMM, where it runs
+// them on oneDNN's half-precision microkernels: AMX, AVX512-BF16, AVX512-FP16. Which of these the CPU has, and
+// the layout in which each wants the weight (packed by ATen for AMX, in pairs of rows -- VNNI -- or plain), is
+// decided once per process by running each candidate on a small product whose result is known exactly: a
+// candidate that oneDNN refuses (ATen raises) or that computes anything else is not used. Where none works, the
+// half types are computed in float32 as before (deform_conv_cpu.cpp).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <string>
+
+namespace deform_conv {
+namespace cpu {
+
+// DEFORM_CONV_CPU_HALF_GEMM, read on every call: "auto" (or unset) takes the native path where the CPU has one;
+// "float32" computes the half types in float32 everywhere; "portable" takes the half path even without native
+// microkernels, its GEMMs on ATen's portable half-precision GEMM -- slow, for tests of the path on any CPU.
+enum class HalfGemmChoice { automatic, float32, portable };
+HalfGemmChoice half_gemm_choice();
+
+// How this process multiplies half-type factors, for one dtype.
+struct HalfGemm {
+  enum class Layout { none, aten_packed, vnni_pairs, plain };
+  Layout layout = Layout::none;  // none: no native GEMM here; the half types run in float32
+  bool vnni = false;             // passed to ATen's brgemm: whether it may run oneDNN's microkernels
+  bool uses_native_path() const { return layout != Layout::none; }
+};
+
+// The GEMM the next call of a `dtype` (kBFloat16 or kHalf) layer uses: probed once, but following
+// DEFORM_CONV_CPU_HALF_GEMM and torch.backends.mkldnn.enabled on every call.
+HalfGemm half_gemm_for(c10::ScalarType dtype);
+
+// What half_gemm_for says, in words naming the instruction set: torch.ops.deform_conv.cpu_half_path(dtype), which
+// `deform-conv doctor` prints.
+std::string cpu_half_path(c10::ScalarType dtype);
+
+// The weight's leading dimension in its packed form: the panel's width rounded up to 16 (oneDNN's packing takes
+// 16, 32, 48 or 64; panels are at most 64 wide).
+int64_t packed_width(int64_t width);
+
+// b [k, width] (row-major, leading dimension ld_b; k even) into `packed` [k, packed_width(width)] in the layout
+// `gemm` reads, the columns past `width` zero.
+template <typename half_t>
+void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const half_t* b, int64_t ld_b, half_t* packed);
+
+// c[m, n] = a[m, k] x packed[k, n] (or c += with `accumulate`), k even, a row-major with leading dimension ld_a,
+// `packed` from pack_weight_panel, c float32; on the calling thread.
+template <typename half_t>
+void half_gemm_on_this_thread(const HalfGemm& gemm, int64_t m, int64_t n, int64_t k, const half_t* a, int64_t ld_a,
+                              const half_t* packed, float* c, int64_t ld_c, bool accumulate);
+
+// Frees a thread's GEMM state (AMX's tile configuration) once its run of GEMMs ends, as ATen asks.
+void release_half_gemm_context(const HalfGemm& gemm);
+
+}  // namespace cpu
+}  // namespace deform_conv
