@@ -154,8 +154,10 @@ SamplingTensors::SamplingTensors(const SamplingPasses& passes, const at::Tensor&
 
 at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const at::Tensor& input,
                         const at::Tensor& offset, const at::Tensor& weight, const std::optional<at::Tensor>& mask,
-                        const std::optional<at::Tensor>& bias) {
-  at::Tensor output = at::empty({p.batch, p.out_channels, p.out_h, p.out_w}, input.options());  // [B, C_out, H_out, W_out]
+                        const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> gemm_dtype) {
+  TORCH_CHECK(!gemm_dtype.has_value() || passes.gemm_as_convolution, "deform_conv: gemm_dtype needs a convolution");
+  at::Tensor output = at::empty({p.batch, p.out_channels, p.out_h, p.out_w},  // [B, C_out, H_out, W_out]
+                                input.options().dtype(gemm_dtype.value_or(input.scalar_type())));
   if (output.numel() == 0) return output;
 
   const SamplingTensors tensors(passes, input, offset, mask);
@@ -167,7 +169,8 @@ at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const
     at::Tensor chunk_columns = columns.narrow(0, 0, images);
     passes.fill_columns(p, tensors, first, images, chunk_columns);
     if (passes.gemm_as_convolution) {
-      output.narrow(0, first, images).copy_(at::conv2d(chunk_columns, weight_1x1, bias, kOnes, kZeros, kOnes, p.groups));
+      const at::Tensor factors = gemm_dtype.has_value() ? chunk_columns.to(*gemm_dtype) : chunk_columns;
+      output.narrow(0, first, images).copy_(at::conv2d(factors, weight_1x1, bias, kOnes, kZeros, kOnes, p.groups));
       continue;
     }
     chunk_gemms_forward(p, chunk_columns, weight_1x1, bias, output.narrow(0, first, images));

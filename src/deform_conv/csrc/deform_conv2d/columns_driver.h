@@ -19,8 +19,9 @@ struct SamplingTensors;
 
 // What the driver's scratch buffers are for (see SamplingPasses::scratch).
 // `tile`: the CPU's tiled passes (cpu/tiled_forward.h, cpu/brgemm.h): a task's columns and product, a worker's
-// channels-last image, a tile of grad_output.
-enum class ScratchSlot { columns = 0, channels_last_input = 1, tile = 2 };
+// channels-last image, a tile of grad_output. `half_factors`: the half types' GEMMs' rounded and packed factors
+// (cpu/half_gemm.h).
+enum class ScratchSlot { columns = 0, channels_last_input = 1, tile = 2, half_factors = 3 };
 
 struct SamplingPasses {
   // The columns (see ConvParams::column_index) of images [first, first + images).
@@ -56,10 +57,14 @@ struct SamplingTensors {
                   const std::optional<at::Tensor>& mask);
 };
 
-// `p` comes from make_conv_params on the same tensors (which validates them).
+// `p` comes from make_conv_params on the same tensors (which validates them). `gemm_dtype` (on the CPU, a half
+// type; the passes' GEMM a convolution): the columns, sampled in the input's float32, are rounded once to it, and
+// the convolution over them (oneDNN's, on its half-precision kernels) multiplies them by the weight and adds the
+// bias, both already in it, into an output in it.
 at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const at::Tensor& input,
                         const at::Tensor& offset, const at::Tensor& weight, const std::optional<at::Tensor>& mask,
-                        const std::optional<at::Tensor>& bias);
+                        const std::optional<at::Tensor>& bias,
+                        std::optional<at::ScalarType> gemm_dtype = std::nullopt);
 
 // `p` comes from make_conv_params, and check_grad_output has accepted grad_output.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> backward_with(

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <string>
 
+#include "half_gemm.h"
 #include "scratch.h"
 #include "transpose.h"
 
@@ -75,13 +76,15 @@ void release_gemm_context() {
 #endif
 }
 
-bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
-                    const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights) {
-  // (The tile of grad_output must fit in scratch memory: up to 65536 output channels.)
-  if (grad_output.scalar_type() != at::kFloat || grad_weights.scalar_type() != at::kFloat ||
-      kPixelTile * p.out_channels * int64_t(sizeof(float)) > kMaxKeptScratchBytes || !batch_reduce_gemm_works()) {
-    return false;
-  }
+namespace {
+
+// The backward's two GEMMs, in tasks that each own their results, with `multiply(m, n, k, a, ld_a, b, ld_b, c,
+// ld_c, accumulate)` (float32 operands and sums, on the calling thread) and `release()` at the end of each
+// thread's run.
+template <typename Multiply, typename Release>
+void backward_gemms_in_tasks(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
+                             const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights,
+                             const Multiply& multiply, const Release& release) {
   const at::Tensor grad_out_c = grad_output.narrow(0, first, images).contiguous();  // [images, C_out, pixels]
   const at::Tensor weight_c = weight_matrix.contiguous();                           // [C_out, taps * C_in/G]
   const float* grad_out = grad_out_c.const_data_ptr<float>();
@@ -107,12 +110,12 @@ bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t 
       const int64_t rows = std::min(row_block, (g + 1) * out_per_group - c0);
       const int64_t width = std::min(kWeightPanel, per_group - k0);
       for (int64_t n = 0; n < images; ++n) {
-        gemm_on_this_thread(rows, width, pixels, grad_out + (n * p.out_channels + c0) * pixels, pixels,
-                            cols + n * pixels * row + g * per_group + k0, row, grad_w + c0 * per_group + k0,
-                            per_group, /*accumulate=*/true);
+        multiply(rows, width, pixels, grad_out + (n * p.out_channels + c0) * pixels, pixels,
+                 cols + n * pixels * row + g * per_group + k0, row, grad_w + c0 * per_group + k0, per_group,
+                 /*accumulate=*/true);
       }
     }
-    release_gemm_context();
+    release();
   });
 
   // columns[n, pixel, g, :] = sum over output channels c of group g of grad_output[n, c, pixel] * weight[c, :].
@@ -127,15 +130,53 @@ bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t 
       transpose(grad_out + n * p.out_channels * pixels + first_pixel, p.out_channels, len, pixels, turned,
                 p.out_channels);
       for (int64_t g = 0; g < p.groups; ++g) {
-        gemm_on_this_thread(len, per_group, out_per_group, turned + g * out_per_group, p.out_channels,
-                            weight + g * out_per_group * per_group, per_group,
-                            cols + (n * pixels + first_pixel) * row + g * per_group, row, /*accumulate=*/false);
+        multiply(len, per_group, out_per_group, turned + g * out_per_group, p.out_channels,
+                 weight + g * out_per_group * per_group, per_group,
+                 cols + (n * pixels + first_pixel) * row + g * per_group, row, /*accumulate=*/false);
       }
     }
-    release_gemm_context();
+    release();
   });
+}
+
+// The tile of grad_output must fit in scratch memory: up to 65536 output channels.
+bool grad_output_tile_fits(const ConvParams& p) {
+  return kPixelTile * p.out_channels * int64_t(sizeof(float)) <= kMaxKeptScratchBytes;
+}
+
+}  // namespace
+
+bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
+                    const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights) {
+  if (grad_output.scalar_type() != at::kFloat || grad_weights.scalar_type() != at::kFloat ||
+      !grad_output_tile_fits(p) || !batch_reduce_gemm_works()) {
+    return false;
+  }
+  backward_gemms_in_tasks(p, grad_output, first, images, weight_matrix, columns, grad_weights, gemm_on_this_thread,
+                          release_gemm_context);
   return true;
 }
+
+template <typename half_t>
+bool half_backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
+                         const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights) {
+  const HalfGemm gemm = half_gemm_for(c10::CppTypeToScalarType<half_t>::value);
+  if (grad_output.scalar_type() != at::kFloat || grad_weights.scalar_type() != at::kFloat ||
+      !grad_output_tile_fits(p) || !gemm.uses_native_path()) {
+    return false;
+  }
+  backward_gemms_in_tasks(
+      p, grad_output, first, images, weight_matrix, columns, grad_weights,
+      [&](int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a, const float* b, int64_t ld_b, float* c,
+          int64_t ld_c, bool accumulate) { multiply_rounded<half_t>(gemm, m, n, k, a, ld_a, b, ld_b, c, ld_c, accumulate); },
+      [&] { release_half_gemm_context(gemm); });
+  return true;
+}
+
+template bool half_backward_gemms<c10::BFloat16>(const ConvParams&, const at::Tensor&, int64_t, int64_t,
+                                                 const at::Tensor&, at::Tensor&, at::Tensor&);
+template bool half_backward_gemms<c10::Half>(const ConvParams&, const at::Tensor&, int64_t, int64_t,
+                                             const at::Tensor&, at::Tensor&, at::Tensor&);
 
 }  // namespace cpu
 }  // namespace deform_conv

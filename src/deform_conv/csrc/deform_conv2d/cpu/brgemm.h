@@ -1,5 +1,5 @@
 // GEMMs on ATen's batch-reduce GEMM for float32 (at::native::cpublas::brgemm: oneDNN's microkernels, each call
-// on the calling thread alone), and the CPU backward's GEMMs built from it. Called per tile from our own parallel
+// on the calling thread alone), and the CPU backward's GEMMs built from it (and from the half types' GEMMs). Called per tile from our own parallel
 // loops, they find their operands in cache; on the 2-core EPYC of the benchmarks they reach about 110 GFLOP/s
 // per core, where MKL's sgemm reaches 80-95.
 #pragma once
@@ -35,6 +35,14 @@ void release_gemm_context();
 // Returns false, doing nothing, where it does not apply.
 bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
                     const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights);
+
+// The same GEMMs for a bfloat16 or float16 (half_t) layer whose backward the driver runs in float32 on widened
+// tensors, on half GEMMs where the CPU has them (half_gemm.h): grad_output and the weight come back to half_t
+// exactly (they were in it), the columns are rounded once to it as in the native forward, and every sum stays in
+// float32. Returns false, doing nothing, where there is no native half GEMM.
+template <typename half_t>
+bool half_backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
+                         const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights);
 
 }  // namespace cpu
 }  // namespace deform_conv

@@ -1,8 +1,9 @@
 // CPU backend: the three sampling passes (sampling_passes.cpp), dispatched over float32/float64, behind the shared
 // chunk-and-GEMM driver; float32 forwards whose tiles hold 32 pixels fuse sampling and GEMM per tile
 // (tiled_forward.cpp), and float32 backward GEMMs run on the batch-reduce GEMM (brgemm.cpp); depthwise layers
-// take their own path without GEMMs (depthwise.cpp). The half types' forwards take the tiled path too where the
-// CPU multiplies them natively (half_gemm.h); everything else of theirs runs through float32.
+// take their own path without GEMMs (depthwise.cpp). Where the CPU multiplies the half types natively
+// (half_gemm.h), their GEMMs run in them: the forward tiled, or as oneDNN's half convolution over the driver's
+// columns, and the backward's on half GEMMs (brgemm.h); everything else of theirs runs through float32.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -12,6 +13,7 @@
 #include "../columns_driver.h"
 #include "brgemm.h"
 #include "depthwise.h"
+#include "half_gemm.h"
 #include "sampling_passes.h"
 #include "scratch.h"
 #include "tiled_forward.h"
@@ -53,9 +55,21 @@ void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, in
 // still in cache. The buffers live in per-thread scratch memory (scratch.h), kept from call to call.
 constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(8) << 20, /*gemm_as_convolution=*/true,
                                  /*backward_gemms=*/backward_gemms, scratch};
+// A half-type layer's backward where the CPU multiplies its type natively: the passes in float32 on the widened
+// tensors, the GEMMs on the half type's (brgemm.h).
+constexpr SamplingPasses kBFloat16Passes{fill, coordinate_grads, input_grad, int64_t(8) << 20, true,
+                                         half_backward_gemms<c10::BFloat16>, scratch};
+constexpr SamplingPasses kFloat16Passes{fill, coordinate_grads, input_grad, int64_t(8) << 20, true,
+                                        half_backward_gemms<c10::Half>, scratch};
 
-// float16 and bfloat16 (e.g. under CPU autocast) are computed in float32 where they have no path of their own --
-// the kernels accumulate in fp32 anyway -- and each result is rounded once to the input's dtype.
+// Whether a half-type layer's GEMMs run on the half type's here (depthwise layers have none).
+bool native_half_layer(const ConvParams& p, const at::Tensor& input) {
+  return !p.is_depthwise() && half_gemm_for(input.scalar_type()).uses_native_path();
+}
+
+// float16 and bfloat16 (e.g. under CPU autocast): the sampling in float32 on widened tensors -- the kernels
+// accumulate in fp32 anyway -- and each result rounded once to the input's dtype; where the CPU multiplies the
+// half type natively, the GEMMs in it (the columns rounded once to it), elsewhere in float32 too.
 bool is_half_type(const at::Tensor& t) {
   return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
 }
@@ -74,7 +88,11 @@ at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::
   follow_torch_thread_count();
   const ConvParams p = make_conv_params(input, offset, weight, mask, bias, stride, padding, dilation, border_gradient);
   if (is_half_type(input)) {
-    if (!p.is_depthwise() && tiled_forward_applies(p, input)) return tiled_forward(p, input, offset, mask, weight, bias);
+    if (native_half_layer(p, input)) {
+      if (tiled_forward_applies(p, input)) return tiled_forward(p, input, offset, mask, weight, bias);
+      return forward_with(kPasses, p, widened(input), widened(offset), weight, widened(mask), bias,
+                          input.scalar_type());
+    }
     return forward(widened(input), widened(offset), widened(weight), widened(mask), widened(bias), stride, padding,
                    dilation, border_gradient)
         .to(input.scalar_type());
@@ -93,6 +111,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
   check_grad_output(p, grad_output, input);
   if (is_half_type(input)) {
     const at::ScalarType dtype = input.scalar_type();
+    if (native_half_layer(p, input)) {
+      const SamplingPasses& passes = dtype == at::kBFloat16 ? kBFloat16Passes : kFloat16Passes;
+      auto [gi, go, gw, gm, gb] = backward_with(passes, p, widened(grad_output), widened(input), widened(offset),
+                                                widened(weight), widened(mask), bias_defined);
+      return {gi.to(dtype), go.to(dtype), gw.to(dtype), narrowed(gm, dtype), narrowed(gb, dtype)};
+    }
     auto [gi, go, gw, gm, gb] = backward(widened(grad_output), widened(input), widened(offset), widened(weight),
                                          widened(mask), stride, padding, dilation, bias_defined, border_gradient);
     return {gi.to(dtype), go.to(dtype), gw.to(dtype), narrowed(gm, dtype), narrowed(gb, dtype)};

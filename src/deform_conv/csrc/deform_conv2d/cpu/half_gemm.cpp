@@ -7,7 +7,11 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#include "half_conversion.h"
+#include "scratch.h"
 
 namespace deform_conv {
 namespace cpu {
@@ -16,6 +20,8 @@ namespace {
 // Rows of the weight per GEMM call, as for float32 (brgemm.cpp); each block is packed on its own, so the call for
 // a block reads one packed matrix whatever oneDNN's layout.
 constexpr int64_t kDepthBlock = 512;
+// Columns of a packed panel, at most (oneDNN packs to leading dimensions of 16 to 64).
+constexpr int64_t kPanelWidth = 64;
 
 #if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32)
 #define DC_HALF_BRGEMM 1
@@ -126,12 +132,12 @@ std::string cpu_half_path(c10::ScalarType dtype) {
   const char* isa = dtype == c10::kBFloat16 ? "AVX512-BF16" : "AVX512-FP16";
   switch (gemm.layout) {
     case HalfGemm::Layout::aten_packed:
-      return name + " forward: native, " + name + " GEMMs on oneDNN's AMX microkernels (weights packed by ATen)";
+      return name + ": native, " + name + " GEMMs on oneDNN's AMX microkernels (weights packed by ATen)";
     case HalfGemm::Layout::vnni_pairs:
-      return name + " forward: native, " + name + " GEMMs on oneDNN's " + isa + " microkernels (weights in VNNI pairs)";
+      return name + ": native, " + name + " GEMMs on oneDNN's " + isa + " microkernels (weights in VNNI pairs)";
     case HalfGemm::Layout::plain:
-      if (gemm.vnni) return name + " forward: native, " + name + " GEMMs on oneDNN's " + isa + " microkernels";
-      return name + " forward: " + name + " GEMMs on ATen's portable GEMM (DEFORM_CONV_CPU_HALF_GEMM=portable)";
+      if (gemm.vnni) return name + ": native, " + name + " GEMMs on oneDNN's " + isa + " microkernels";
+      return name + ": " + name + " GEMMs on ATen's portable GEMM (DEFORM_CONV_CPU_HALF_GEMM=portable)";
     case HalfGemm::Layout::none:
       break;
   }
@@ -144,27 +150,42 @@ std::string cpu_half_path(c10::ScalarType dtype) {
 
 int64_t packed_width(int64_t width) { return (width + 15) / 16 * 16; }
 
-template <typename half_t>
-void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const half_t* b, int64_t ld_b, half_t* packed) {
-  TORCH_CHECK(k % 2 == 0 && width <= 64, "deform_conv: pack_weight_panel(k=", k, ", width=", width, ")");
+template <typename half_t, typename source_t>
+void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const source_t* b, int64_t ld_b,
+                       half_t* packed) {
+  TORCH_CHECK(width <= kPanelWidth, "deform_conv: pack_weight_panel(width=", width, ")");
   const int64_t ld = packed_width(width);
-  std::fill(packed, packed + k * ld, half_t(0.f));
+  std::fill(packed, packed + even(k) * ld, half_t(0.f));
+  // Each block of rows first in half_t, [even(rows), width], the row past an odd k zero: what ATen's packing
+  // reads, and the source of the layouts written here.
+  thread_local std::vector<half_t> staged;
+  staged.resize(kDepthBlock * kPanelWidth);
   for (int64_t k0 = 0; k0 < k; k0 += kDepthBlock) {
-    const int64_t rows = std::min(kDepthBlock, k - k0);
-    const half_t* from = b + k0 * ld_b;
+    const int64_t rows = std::min(kDepthBlock, k - k0), padded = even(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      const source_t* from = b + (k0 + r) * ld_b;
+      if constexpr (std::is_same_v<source_t, float>) {
+        narrow(from, width, staged.data() + r * width);
+      } else {
+        std::copy(from, from + width, staged.data() + r * width);
+      }
+    }
+    std::fill(staged.data() + rows * width, staged.data() + padded * width, half_t(0.f));
     half_t* to = packed + k0 * ld;
     switch (gemm.layout) {
       case HalfGemm::Layout::aten_packed:
-        at::native::cpublas::pack(rows, width, ld_b, ld, c10::CppTypeToScalarType<half_t>::value,
-                                  c10::CppTypeToScalarType<half_t>::value, from, to);
+        at::native::cpublas::pack(padded, width, width, ld, c10::CppTypeToScalarType<half_t>::value,
+                                  c10::CppTypeToScalarType<half_t>::value, staged.data(), to);
         break;
       case HalfGemm::Layout::vnni_pairs:  // rows 2r and 2r + 1 interleaved: element (r, j) at r/2 * 2ld + 2j + r%2
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t j = 0; j < width; ++j) to[r / 2 * 2 * ld + 2 * j + r % 2] = from[r * ld_b + j];
+        for (int64_t r = 0; r < padded; ++r) {
+          for (int64_t j = 0; j < width; ++j) to[r / 2 * 2 * ld + 2 * j + r % 2] = staged[r * width + j];
         }
         break;
       case HalfGemm::Layout::plain:
-        for (int64_t r = 0; r < rows; ++r) std::copy(from + r * ld_b, from + r * ld_b + width, to + r * ld);
+        for (int64_t r = 0; r < padded; ++r) {
+          std::copy(staged.data() + r * width, staged.data() + (r + 1) * width, to + r * ld);
+        }
         break;
       case HalfGemm::Layout::none:
         TORCH_CHECK(false, "deform_conv: no half-precision GEMM to pack for");
@@ -182,16 +203,44 @@ void half_gemm_on_this_thread(const HalfGemm& gemm, int64_t m, int64_t n, int64_
   }
 }
 
+template <typename half_t>
+void multiply_rounded(const HalfGemm& gemm, int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a,
+                      const float* b, int64_t ld_b, float* c, int64_t ld_c, bool accumulate) {
+  if (k == 0 && !accumulate) {
+    for (int64_t i = 0; i < m; ++i) std::fill(c + i * ld_c, c + i * ld_c + n, 0.f);
+    return;
+  }
+  for (int64_t k0 = 0; k0 < k; k0 += kDepthBlock) {
+    const int64_t depth = std::min(kDepthBlock, k - k0), padded = even(depth);
+    // This block of a [m, padded], the column past an odd depth zero, and one packed panel of b.
+    half_t* rounded = static_cast<half_t*>(scratch_bytes(
+        ScratchSlot::half_factors, (m * padded + padded * kPanelWidth) * int64_t(sizeof(half_t))));
+    half_t* packed = rounded + m * padded;
+    for (int64_t i = 0; i < m; ++i) {
+      narrow(a + i * ld_a + k0, depth, rounded + i * padded);
+      if (padded > depth) rounded[i * padded + depth] = half_t(0.f);
+    }
+    for (int64_t n0 = 0; n0 < n; n0 += kPanelWidth) {
+      const int64_t width = std::min(kPanelWidth, n - n0);
+      pack_weight_panel(gemm, depth, width, b + k0 * ld_b + n0, ld_b, packed);
+      half_gemm_on_this_thread(gemm, m, width, padded, rounded, padded, packed, c + n0, ld_c, accumulate || k0 > 0);
+    }
+  }
+}
+
 void release_half_gemm_context(const HalfGemm& gemm) {
 #ifdef DC_HALF_BRGEMM
   if (gemm.vnni) at::native::cpublas::brgemm_release(/*is_vnni=*/true);
 #endif
 }
 
-#define DEFORM_CONV_INSTANTIATE(T)                                                                         \
-  template void pack_weight_panel<T>(const HalfGemm&, int64_t, int64_t, const T*, int64_t, T*);           \
-  template void half_gemm_on_this_thread<T>(const HalfGemm&, int64_t, int64_t, int64_t, const T*, int64_t, \
-                                            const T*, float*, int64_t, bool);
+#define DEFORM_CONV_INSTANTIATE(T)                                                                          \
+  template void pack_weight_panel<T, T>(const HalfGemm&, int64_t, int64_t, const T*, int64_t, T*);         \
+  template void pack_weight_panel<T, float>(const HalfGemm&, int64_t, int64_t, const float*, int64_t, T*); \
+  template void half_gemm_on_this_thread<T>(const HalfGemm&, int64_t, int64_t, int64_t, const T*, int64_t,  \
+                                            const T*, float*, int64_t, bool);                               \
+  template void multiply_rounded<T>(const HalfGemm&, int64_t, int64_t, int64_t, const float*, int64_t,      \
+                                    const float*, int64_t, float*, int64_t, bool);
 DEFORM_CONV_INSTANTIATE(c10::BFloat16)
 DEFORM_CONV_INSTANTIATE(c10::Half)
 #undef DEFORM_CONV_INSTANTIATE

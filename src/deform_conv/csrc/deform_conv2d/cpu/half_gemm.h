@@ -40,16 +40,27 @@ std::string cpu_half_path(c10::ScalarType dtype);
 // 16, 32, 48 or 64; panels are at most 64 wide).
 int64_t packed_width(int64_t width);
 
-// b [k, width] (row-major, leading dimension ld_b; k even) into `packed` [k, packed_width(width)] in the layout
-// `gemm` reads, the columns past `width` zero.
-template <typename half_t>
-void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const half_t* b, int64_t ld_b, half_t* packed);
+// Rows of the packed weight: the depth rounded up to pairs.
+inline int64_t even(int64_t k) { return k + k % 2; }
+
+// b [k, width] (row-major, leading dimension ld_b; in half_t, or float32 rounded once to it) into `packed`
+// [even(k), packed_width(width)] in the layout `gemm` reads, zero past k rows and width columns.
+template <typename half_t, typename source_t>
+void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const source_t* b, int64_t ld_b,
+                       half_t* packed);
 
 // c[m, n] = a[m, k] x packed[k, n] (or c += with `accumulate`), k even, a row-major with leading dimension ld_a,
 // `packed` from pack_weight_panel, c float32; on the calling thread.
 template <typename half_t>
 void half_gemm_on_this_thread(const HalfGemm& gemm, int64_t m, int64_t n, int64_t k, const half_t* a, int64_t ld_a,
                               const half_t* packed, float* c, int64_t ld_c, bool accumulate);
+
+// c[m, n] = a[m, k] x b[k, n] (or c += with `accumulate`) for float32 a and b (row-major, leading dimensions ld_a
+// and ld_b) whose values are rounded once to half_t on the way, any k and n, c float32, on the calling thread:
+// blocks of a and b are rounded and packed in this thread's scratch memory. The backward's GEMMs (brgemm.h).
+template <typename half_t>
+void multiply_rounded(const HalfGemm& gemm, int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a,
+                      const float* b, int64_t ld_b, float* c, int64_t ld_c, bool accumulate);
 
 // Frees a thread's GEMM state (AMX's tile configuration) once its run of GEMMs ends, as ATen asks.
 void release_half_gemm_context(const HalfGemm& gemm);

@@ -41,7 +41,7 @@ struct KeptBuffer {
   }
 };
 
-constexpr int kSlots = 3;
+constexpr int kSlots = 4;
 
 }  // namespace
 
