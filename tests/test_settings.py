@@ -27,6 +27,7 @@ BAD_VALUES = [
     ("DEFORM_CONV_SANITIZE", "adress", _settings.sanitizers),
     ("TORCH_CUDA_ARCH_LIST", "9.0;Hopper", _settings.cuda_archs),
     ("TORCH_CUDA_ARCH_LIST", "sm_90", _settings.cuda_archs),
+    ("DEFORM_CONV_CPU_HALF_GEMM", "native", _settings.cpu_half_gemm),
 ]
 
 
@@ -48,6 +49,8 @@ def test_a_bad_value_names_the_variable_its_value_and_what_it_accepts(monkeypatc
     ("DEFORM_CONV_CUDA", "0", _settings.cuda_wanted, False),
     ("DEFORM_CONV_CUDA", "", _settings.cuda_wanted, True),
     ("TORCH_CUDA_ARCH_LIST", "9.0a 8.0+PTX,8.0", _settings.cuda_archs, ("8.0", "8.0+PTX", "9.0a")),
+    ("DEFORM_CONV_CPU_HALF_GEMM", "", _settings.cpu_half_gemm, "auto"),
+    ("DEFORM_CONV_CPU_HALF_GEMM", "portable", _settings.cpu_half_gemm, "portable"),
 ])
 def test_good_values_are_read(monkeypatch, name, value, reader, expected):
     monkeypatch.setenv(name, value)

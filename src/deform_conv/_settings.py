@@ -26,6 +26,11 @@ VARIABLES: Dict[str, Tuple[str, str]] = {
                               "a GPU is visible or TORCH_CUDA_ARCH_LIST names archs"),
     "DEFORM_CONV_SANITIZE": ("0", "`1` (= `address,undefined`) or a comma-separated list of `address`, "
                                   "`undefined`: the CPU library with sanitizers, an entry of its own"),
+    "DEFORM_CONV_CPU_HALF_GEMM": ("auto", "`auto`: bfloat16/float16 layers multiply in their type where the CPU does "
+                                          "so natively (AMX, AVX512-BF16/FP16), in float32 elsewhere; `float32`: in "
+                                          "float32 everywhere; `portable`: in their type everywhere, on ATen's "
+                                          "portable GEMM where the CPU has no native one (slow; for tests); read on "
+                                          "every call"),
     "DEFORM_CONV_AOT": ("0", "`1`: `pip install --no-build-isolation .` compiles the kernels at install time"),
     "MAX_JOBS": ("as many as cores and memory allow", "a positive integer: parallel compile jobs"),
     "TORCH_CUDA_ARCH_LIST": ("the visible GPUs' archs", "archs by number such as `8.0;9.0+PTX` (`;`, `,` or "
@@ -123,10 +128,25 @@ def cuda_archs(spec: Optional[str] = None, name: str = "TORCH_CUDA_ARCH_LIST") -
     return tuple(sorted(set(archs)))
 
 
+HALF_GEMM_CHOICES = ("auto", "float32", "portable")
+
+
+def cpu_half_gemm() -> str:
+    """How the CPU multiplies the half types (the kernels read the variable themselves on every call, and
+    refuse a bad value too: csrc/deform_conv2d/cpu/half_gemm.h)."""
+    value = _raw("DEFORM_CONV_CPU_HALF_GEMM")
+    if value == "":
+        return "auto"
+    if value not in HALF_GEMM_CHOICES:
+        raise _invalid("DEFORM_CONV_CPU_HALF_GEMM", value)
+    return value
+
+
 def validate_all() -> None:
     """Reads every variable, so that a bad value is an error at import even where it would not be used (a
     warm import builds nothing, yet MAX_JOBS=0 or DEFORM_CONV_VERBOSE=true there is a mistake to report)."""
-    for read in (fallback_to_reference, verbose, cuda_wanted, ahead_of_time, sanitizers, max_jobs, cuda_archs):
+    for read in (fallback_to_reference, verbose, cuda_wanted, ahead_of_time, sanitizers, max_jobs, cuda_archs,
+                 cpu_half_gemm):
         read()
     warn_about_unknown_variables()
 
