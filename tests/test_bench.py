@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deform_conv import _bench
+from deform_conv import _bench, _bench_tables
 
 
 def test_smoke_benchmark_measures_every_column():
@@ -62,7 +62,7 @@ def test_every_peer_computes_the_grouped_non_square_case():
 
 
 def test_half_table_measures_every_column():
-    rows = _bench.run_half(_bench.SMOKE_CASES, torch.bfloat16, min_seconds=0.01)
+    rows = _bench_tables.run_half(_bench.SMOKE_CASES, torch.bfloat16, min_seconds=0.01)
     assert [r["case"] for r in rows] == ["T1", "T2"]
     for row in rows:
         timings = {k: v for k, v in row.items() if k not in ("case", "config")}
@@ -70,7 +70,7 @@ def test_half_table_measures_every_column():
         assert set(timings) == {f"{impl}_{phase}" for impl in impls for phase in ("fwd", "fwdbwd")}
         for key, value in timings.items():
             assert math.isfinite(value) and value > 0, (key, value)
-        assert _bench.format_half_row(row).count("|") == 15  # 14 cells, as half_header's
+        assert _bench_tables.format_half_row(row).count("|") == 15  # 14 cells, as half_header's
 
 
 def test_channels_last_call_feeds_conv2d_channels_last_tensors():
@@ -81,7 +81,7 @@ def test_channels_last_call_feeds_conv2d_channels_last_tensors():
 
 
 def test_thread_scaling_has_a_row_per_case_and_count():
-    rows = _bench.run_threads(_bench.SMOKE_CASES, [1, 2], min_seconds=0.01)
+    rows = _bench_tables.run_threads(_bench.SMOKE_CASES, [1, 2], min_seconds=0.01)
     assert [(r["case"], r["threads"]) for r in rows] == [("T1", 1), ("T1", 2), ("T2", 1), ("T2", 2)]
     for row in rows:
         for key in ("ours_fwd", "ours_fwdbwd", "conv2d_fwd", "conv2d_fwdbwd", "speedup_fwd", "speedup_fwdbwd"):
@@ -90,7 +90,7 @@ def test_thread_scaling_has_a_row_per_case_and_count():
 
 
 def test_thread_counts_above_the_cores_are_skipped_with_a_note():
-    usable, notes = _bench.usable_thread_counts([1, 2, 4], cores=2)
+    usable, notes = _bench_tables.usable_thread_counts([1, 2, 4], cores=2)
     assert usable == [1, 2] and len(notes) == 1 and "4 threads" in notes[0]
 
 
