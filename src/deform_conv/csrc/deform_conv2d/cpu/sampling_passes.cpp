@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <vector>
 
 #include "sampling_point.h"
 
@@ -36,21 +37,88 @@ inline void for_each_point_of_rows(const ConvParams& p, const SamplingInputs<sca
   }
 }
 
+// A run of one offset group's channels that lies in one weight group (offset groups and weight groups need not
+// nest): channels [channel, channel + length) of the input, written at `column` + tap * C_in/G of a row's columns.
+struct ChannelPiece {
+  int64_t channel, length, column;
+};
+
+// For each offset group, its pieces: pieces[starts[group]] up to pieces[starts[group + 1]].
+struct OffsetGroupPieces {
+  std::vector<ChannelPiece> pieces;
+  std::vector<int64_t> starts;
+
+  explicit OffsetGroupPieces(const ConvParams& p) {
+    const int64_t per_group = p.in_channels_per_group(), per_offset_group = p.channels_per_offset_group();
+    for (int64_t group = 0; group < p.offset_groups; ++group) {
+      starts.push_back(static_cast<int64_t>(pieces.size()));
+      for_each_weight_group_piece(p, group * per_offset_group, (group + 1) * per_offset_group,
+                                  [&](int64_t g, int64_t c0, int64_t c1) {
+        pieces.push_back({c0, c1 - c0, g * p.taps() * per_group + c0 - g * per_group});
+      });
+    }
+    starts.push_back(static_cast<int64_t>(pieces.size()));
+  }
+};
+
+// `channels` zeros, kept per thread: the corners of a point that lie outside the image read them with weight 0,
+// so that every point interpolates four corners in one pass, and a non-finite pixel outside the sum stays out.
 template <typename scalar_t>
-DC_CPU_DISPATCH void fill_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
+const scalar_t* zero_row(int64_t channels) {
+  thread_local std::vector<scalar_t> zeros;
+  if (static_cast<int64_t>(zeros.size()) < channels) zeros.assign(channels, scalar_t(0));
+  return zeros.data();
+}
+
+template <typename scalar_t>
+DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void fill_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
                                int64_t row_begin, int64_t row_end, scalar_t* columns) {
-  const int64_t channels = p.in_channels, per_offset_group = p.channels_per_offset_group();
-  const int64_t pixels = p.out_pixels();
-  for_each_point_of_rows(p, in, first_image, row_begin, row_end,
-                         [&](int64_t n_local, int64_t pixel, const RowPoints<scalar_t>& points, int64_t group,
-                             int64_t tap, const BilinearSample<scalar_t>& s, const scalar_t* image) {
-    const scalar_t m = points.mask(group, tap);
-    const int64_t c_begin = group * per_offset_group, row = n_local * pixels + pixel - row_begin;
-    for_each_weight_group_piece(p, c_begin, c_begin + per_offset_group, [&](int64_t g, int64_t c0, int64_t c1) {
-      interpolate(s, image + c0, channels, c1 - c0, in.mask != nullptr, m,
-                  columns + column_index(p, 0, g, row, tap, c0));
-    });
-  });
+  const int64_t channels = p.in_channels, pixels = p.out_pixels(), per_group = p.in_channels_per_group();
+  const int64_t row_size = p.taps() * channels;
+  const bool masked = in.mask != nullptr;
+  const scalar_t* zeros = zero_row<scalar_t>(channels);
+  const OffsetGroupPieces groups(p);
+  // (PointBlock's coordinates are 32-bit integers.)
+  TORCH_CHECK(std::max({p.height, p.width, p.base_y(p.out_h, p.kernel_h), p.base_x(p.out_w, p.kernel_w)}) <
+                  (int64_t(1) << 30),
+              "deform_conv2d: the CPU kernels take images of fewer than 2^30 rows and columns, got ", p.height, "x",
+              p.width);
+  PointBlock<scalar_t> points;
+  int32_t y_origin[kPointBlock], x_origin[kPointBlock], y_base[kPointBlock], x_base[kPointBlock];
+  for (int64_t row = row_begin; row < row_end;) {
+    const int64_t n_local = row / pixels, first = row % pixels, n = first_image + n_local;
+    const int64_t len = std::min({kPointBlock, row_end - row, pixels - first});
+    const scalar_t* image = in.input + n * p.height * p.width * channels;
+    for (int64_t b = 0; b < len; ++b) {
+      y_origin[b] = static_cast<int32_t>(p.base_y((first + b) / p.out_w, 0));
+      x_origin[b] = static_cast<int32_t>(p.base_x((first + b) % p.out_w, 0));
+    }
+    scalar_t* block_columns = columns + (row - row_begin) * row_size;
+    for (int64_t group = 0; group < p.offset_groups; ++group) {
+      const ChannelPiece* pieces_begin = groups.pieces.data() + groups.starts[group];
+      const ChannelPiece* pieces_end = groups.pieces.data() + groups.starts[group + 1];
+      for (int64_t i = 0, tap = 0; i < p.kernel_h; ++i) {
+        for (int64_t j = 0; j < p.kernel_w; ++j, ++tap) {
+          for (int64_t b = 0; b < len; ++b) {
+            y_base[b] = y_origin[b] + static_cast<int32_t>(i * p.dilation_h);
+            x_base[b] = x_origin[b] + static_cast<int32_t>(j * p.dilation_w);
+          }
+          const scalar_t* dy = in.offset + p.offset_index(n, group, tap, first);
+          points.compute(len, y_base, x_base, dy, dy + pixels, p.height, p.width);
+          const scalar_t* mask = masked ? in.mask + p.mask_index(n, group, tap, first) : nullptr;
+          for (int64_t b = 0; b < len; ++b) {
+            const Corners<scalar_t> corners = points.corners(b, image, p.width, channels, zeros);
+            const scalar_t m = masked ? mask[b] : scalar_t(1);
+            scalar_t* dst = block_columns + b * row_size + tap * per_group;
+            for (const ChannelPiece* piece = pieces_begin; piece != pieces_end; ++piece) {
+              interpolate_corners(corners, piece->channel, piece->length, masked, m, dst + piece->column);
+            }
+          }
+        }
+      }
+    }
+    row += len;
+  }
 }
 
 template <typename scalar_t>
