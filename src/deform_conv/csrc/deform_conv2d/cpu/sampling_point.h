@@ -122,6 +122,8 @@ struct PointBlock {
   int32_t y0[kPointBlock], x0[kPointBlock];  // the top-left corner
   int32_t valid[4][kPointBlock];             // whether corner q lies in the image
   scalar_t weight[4][kPointBlock];           // its weight: 0 outside the image, NaN for a NaN coordinate
+  int32_t inside[kPointBlock], nan[kPointBlock];  // as in BilinearPoint
+  scalar_t ly[kPointBlock], lx[kPointBlock];      // the distances to the top-left corner
 
   // Point b at (y_base[b] + dy[b], x_base[b] + dx[b]), b < len. (The conditions are 32-bit masks, not bools,
   // and the function is compiled without trapping math: GCC vectorises the loop only then.)
@@ -134,9 +136,11 @@ struct PointBlock {
     int32_t *__restrict v0 = valid[0], *__restrict v1 = valid[1], *__restrict v2 = valid[2], *__restrict v3 = valid[3];
     scalar_t *__restrict w0 = weight[0], *__restrict w1 = weight[1], *__restrict w2 = weight[2];
     scalar_t* __restrict w3 = weight[3];
+    int32_t *__restrict ins = inside, *__restrict nans = nan;
+    scalar_t *__restrict lys = ly, *__restrict lxs = lx;
     for (int64_t b = 0; b < len; ++b) {
       const scalar_t y = static_cast<scalar_t>(y_base[b]) + dy[b], x = static_cast<scalar_t>(x_base[b]) + dx[b];
-      const int32_t nan = (y != y || x != x) ? -1 : 0;
+      const int32_t is_nan = (y != y || x != x) ? -1 : 0;
       const int32_t inside = ((y >= scalar_t(-1) && y < hf) ? -1 : 0) & ((x >= scalar_t(-1) && x < wf) ? -1 : 0);
       // (Outside, the coordinates may be huge: they are replaced before any conversion to an integer.)
       const scalar_t yc = inside ? y : scalar_t(0), xc = inside ? x : scalar_t(0);
@@ -151,10 +155,14 @@ struct PointBlock {
       v1[b] = top & right;
       v2[b] = bottom & left;
       v3[b] = bottom & right;
-      w0[b] = nan ? scalar_t(NAN) : (top & left) ? hy * hx : scalar_t(0);
-      w1[b] = nan ? scalar_t(NAN) : (top & right) ? hy * lx : scalar_t(0);
-      w2[b] = nan ? scalar_t(NAN) : (bottom & left) ? ly * hx : scalar_t(0);
-      w3[b] = nan ? scalar_t(NAN) : (bottom & right) ? ly * lx : scalar_t(0);
+      ins[b] = inside;
+      nans[b] = is_nan;
+      lys[b] = ly;
+      lxs[b] = lx;
+      w0[b] = is_nan ? scalar_t(NAN) : (top & left) ? hy * hx : scalar_t(0);
+      w1[b] = is_nan ? scalar_t(NAN) : (top & right) ? hy * lx : scalar_t(0);
+      w2[b] = is_nan ? scalar_t(NAN) : (bottom & left) ? ly * hx : scalar_t(0);
+      w3[b] = is_nan ? scalar_t(NAN) : (bottom & right) ? ly * lx : scalar_t(0);
     }
   }
 
@@ -168,6 +176,14 @@ struct PointBlock {
       k.weight[q] = weight[q][b];
     }
     return k;
+  }
+
+  // d loss / d y (x) of point b with mask factor m, given the derivative of its unmasked value (coordinate_grad).
+  scalar_t coordinate_grad(int64_t b, scalar_t m, scalar_t grad, BorderGradient border) const {
+    const bool on_lower_border = inside[b] && ((y0[b] == -1 && ly[b] == scalar_t(0)) ||
+                                               (x0[b] == -1 && lx[b] == scalar_t(0)));
+    return deform_conv::coordinate_grad((!inside[b] && !nan[b]) || (border == BorderGradient::mmcv && on_lower_border),
+                                        m, grad);
   }
 };
 
@@ -183,6 +199,23 @@ inline void interpolate_corners(const Corners<scalar_t>& k, int64_t channel, int
   } else {
     for (int64_t c = 0; c < len; ++c) dst[c] = w0 * p0[c] + w1 * p1[c] + w2 * p2[c] + w3 * p3[c];
   }
+}
+
+// dot[q] = sum over c < len of grad[c] * pixel_q[channel + c], for the four corners (neighbour_dots' sums).
+template <typename scalar_t>
+inline void corner_dots(const Corners<scalar_t>& k, int64_t channel, int64_t len, const scalar_t* __restrict grad,
+                        scalar_t dot[4]) {
+  const scalar_t *__restrict p0 = k.pixel[0] + channel, *__restrict p1 = k.pixel[1] + channel;
+  const scalar_t *__restrict p2 = k.pixel[2] + channel, *__restrict p3 = k.pixel[3] + channel;
+  scalar_t d0 = 0, d1 = 0, d2 = 0, d3 = 0;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+  for (int64_t c = 0; c < len; ++c) {
+    d0 += grad[c] * p0[c];
+    d1 += grad[c] * p1[c];
+    d2 += grad[c] * p2[c];
+    d3 += grad[c] * p3[c];
+  }
+  dot[0] = d0, dot[1] = d1, dot[2] = d2, dot[3] = d3;
 }
 
 // dot[q] = sum over c < len of grad[c] * image[pixel_q * stride + c], for each in-image neighbour q.
