@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <vector>
 
 #include "sampling_point.h"
 
@@ -11,108 +12,216 @@ namespace deform_conv {
 namespace cpu {
 namespace {
 
-// Address of the columns' element for channel c (of weight group g).
-inline int64_t column_index(const ConvParams& p, int64_t n_local, int64_t g, int64_t pixel, int64_t tap, int64_t c) {
-  return p.column_index(n_local, pixel, g, tap, c - g * p.in_channels_per_group());
+// A run of one offset group's channels that lies in one weight group (offset groups and weight groups need not
+// nest): channels [channel, channel + length) of the input, written at `column` + tap * C_in/G of a row's columns.
+struct ChannelPiece {
+  int64_t channel, length, column;
+};
+
+// For each offset group, its pieces: pieces[starts[group]] up to pieces[starts[group + 1]].
+struct OffsetGroupPieces {
+  std::vector<ChannelPiece> pieces;
+  std::vector<int64_t> starts;
+
+  explicit OffsetGroupPieces(const ConvParams& p) {
+    const int64_t per_group = p.in_channels_per_group(), per_offset_group = p.channels_per_offset_group();
+    for (int64_t group = 0; group < p.offset_groups; ++group) {
+      starts.push_back(static_cast<int64_t>(pieces.size()));
+      for_each_weight_group_piece(p, group * per_offset_group, (group + 1) * per_offset_group,
+                                  [&](int64_t g, int64_t c0, int64_t c1) {
+        pieces.push_back({c0, c1 - c0, g * p.taps() * per_group + c0 - g * per_group});
+      });
+    }
+    starts.push_back(static_cast<int64_t>(pieces.size()));
+  }
+};
+
+// `channels` zeros, kept per thread: the corners of a point that lie outside the image read them with weight 0,
+// so that every point interpolates four corners in one pass, and a non-finite pixel outside the sum stays out.
+template <typename scalar_t>
+const scalar_t* zero_row(int64_t channels) {
+  thread_local std::vector<scalar_t> zeros;
+  if (static_cast<int64_t>(zeros.size()) < channels) zeros.assign(channels, scalar_t(0));
+  return zeros.data();
 }
 
-// Calls f(n_local, pixel, points, group, tap, sample, image) for every sampling point of the chunk's rows
-// [row_begin, row_end), a row being one (image, output pixel); `image` is that image's channels-last input.
-template <typename scalar_t, typename F>
-inline void for_each_point_of_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
-                                   int64_t row_begin, int64_t row_end, F&& f) {
-  const int64_t pixels = p.out_pixels();
-  for (int64_t row = row_begin; row < row_end; ++row) {
-    const int64_t n_local = row / pixels, pixel = row % pixels, n = first_image + n_local;
-    const RowPoints<scalar_t> points(p, in, n, pixel);
-    const scalar_t* image = in.input + n * p.height * p.width * p.in_channels;
-    for (int64_t group = 0; group < p.offset_groups; ++group) {
-      for (int64_t i = 0, tap = 0; i < p.kernel_h; ++i) {
-        for (int64_t j = 0; j < p.kernel_w; ++j, ++tap) {
-          f(n_local, pixel, points, group, tap, points.sample(group, i, j), image);
-        }
+// PointBlock's coordinates are 32-bit integers.
+void check_coordinates_fit(const ConvParams& p) {
+  TORCH_CHECK(std::max({p.height, p.width, p.base_y(p.out_h, p.kernel_h), p.base_x(p.out_w, p.kernel_w)}) <
+                  (int64_t(1) << 30),
+              "deform_conv2d: the CPU kernels take images of fewer than 2^30 rows and columns, got ", p.height, "x",
+              p.width);
+}
+
+// Where tap (0, 0) of output pixels first .. first + len - 1 samples before its offset.
+inline void block_origins(const ConvParams& p, int64_t first, int64_t len, int32_t* y_origin, int32_t* x_origin) {
+  for (int64_t b = 0; b < len; ++b) {
+    y_origin[b] = static_cast<int32_t>(p.base_y((first + b) / p.out_w, 0));
+    x_origin[b] = static_cast<int32_t>(p.base_x((first + b) % p.out_w, 0));
+  }
+}
+
+// The points of offset group `group`, tap by tap, for output pixels first .. first + len - 1 of image n. The
+// passes then visit them pixel by pixel, taps inner, so that they read and write the columns (and the image)
+// nearly in order, as one point at a time did.
+template <typename scalar_t>
+inline void tap_points_of_group(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t n, int64_t group,
+                                int64_t first, int64_t len, const int32_t* y_origin, const int32_t* x_origin,
+                                PointBlock<scalar_t>* tap_points) {
+  int32_t y_base[kPointBlock], x_base[kPointBlock];
+  for (int64_t i = 0, tap = 0; i < p.kernel_h; ++i) {
+    for (int64_t j = 0; j < p.kernel_w; ++j, ++tap) {
+      for (int64_t b = 0; b < len; ++b) {
+        y_base[b] = y_origin[b] + static_cast<int32_t>(i * p.dilation_h);
+        x_base[b] = x_origin[b] + static_cast<int32_t>(j * p.dilation_w);
       }
+      const scalar_t* dy = in.offset + p.offset_index(n, group, tap, first);
+      tap_points[tap].compute(len, y_base, x_base, dy, dy + p.out_pixels(), p.height, p.width);
     }
   }
 }
 
 template <typename scalar_t>
-DC_CPU_DISPATCH void fill_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
-                               int64_t row_begin, int64_t row_end, scalar_t* columns) {
-  const int64_t channels = p.in_channels, per_offset_group = p.channels_per_offset_group();
-  const int64_t pixels = p.out_pixels();
-  for_each_point_of_rows(p, in, first_image, row_begin, row_end,
-                         [&](int64_t n_local, int64_t pixel, const RowPoints<scalar_t>& points, int64_t group,
-                             int64_t tap, const BilinearSample<scalar_t>& s, const scalar_t* image) {
-    const scalar_t m = points.mask(group, tap);
-    const int64_t c_begin = group * per_offset_group, row = n_local * pixels + pixel - row_begin;
-    for_each_weight_group_piece(p, c_begin, c_begin + per_offset_group, [&](int64_t g, int64_t c0, int64_t c1) {
-      interpolate(s, image + c0, channels, c1 - c0, in.mask != nullptr, m,
-                  columns + column_index(p, 0, g, row, tap, c0));
-    });
-  });
-}
-
-template <typename scalar_t>
-DC_CPU_DISPATCH void coordinate_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
-                                     int64_t row_begin, int64_t row_end, const scalar_t* grad_columns,
-                                     scalar_t* grad_offset, scalar_t* grad_mask) {
-  const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_offset_group = p.channels_per_offset_group();
-  for_each_point_of_rows(p, in, first_image, row_begin, row_end,
-                         [&](int64_t n_local, int64_t pixel, const RowPoints<scalar_t>& points, int64_t group,
-                             int64_t tap, const BilinearSample<scalar_t>& s, const scalar_t* image) {
-    // d loss / d value, d y and d x, before the mask's factor.
-    scalar_t grad_value = sum_start(s), grad_y = sum_start(s), grad_x = sum_start(s);
-    if (s.count > 0) {
-      const int64_t c_begin = group * per_offset_group;
-      for_each_weight_group_piece(p, c_begin, c_begin + per_offset_group, [&](int64_t g, int64_t c0, int64_t c1) {
-        scalar_t dot[4];
-        neighbour_dots(s, image + c0, channels, c1 - c0, grad_columns + column_index(p, n_local, g, pixel, tap, c0),
-                       dot);
-        for (int q = 0; q < s.count; ++q) {
-          grad_value += s.weight[q] * dot[q];
-          grad_y += s.weight_dy[q] * dot[q];
-          grad_x += s.weight_dx[q] * dot[q];
+DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void fill_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in,
+                                                        int64_t first_image, int64_t row_begin, int64_t row_end,
+                                                        scalar_t* columns) {
+  const int64_t channels = p.in_channels, pixels = p.out_pixels(), per_group = p.in_channels_per_group();
+  const int64_t row_size = p.taps() * channels;
+  const bool masked = in.mask != nullptr;
+  const scalar_t* zeros = zero_row<scalar_t>(channels);
+  const OffsetGroupPieces groups(p);
+  check_coordinates_fit(p);
+  std::vector<PointBlock<scalar_t>> tap_points(p.taps());
+  int32_t y_origin[kPointBlock], x_origin[kPointBlock];
+  for (int64_t row = row_begin; row < row_end;) {
+    const int64_t n_local = row / pixels, first = row % pixels, n = first_image + n_local;
+    const int64_t len = std::min({kPointBlock, row_end - row, pixels - first});
+    const scalar_t* image = in.input + n * p.height * p.width * channels;
+    block_origins(p, first, len, y_origin, x_origin);
+    scalar_t* block_columns = columns + (row - row_begin) * row_size;
+    for (int64_t group = 0; group < p.offset_groups; ++group) {
+      tap_points_of_group(p, in, n, group, first, len, y_origin, x_origin, tap_points.data());
+      const ChannelPiece* pieces_begin = groups.pieces.data() + groups.starts[group];
+      const ChannelPiece* pieces_end = groups.pieces.data() + groups.starts[group + 1];
+      for (int64_t b = 0; b < len; ++b) {
+        for (int64_t tap = 0; tap < p.taps(); ++tap) {
+          const Corners<scalar_t> corners = tap_points[tap].corners(b, image, p.width, channels, zeros);
+          const scalar_t m = masked ? in.mask[p.mask_index(n, group, tap, first + b)] : scalar_t(1);
+          scalar_t* dst = block_columns + b * row_size + tap * per_group;
+          for (const ChannelPiece* piece = pieces_begin; piece != pieces_end; ++piece) {
+            interpolate_corners(corners, piece->channel, piece->length, masked, m, dst + piece->column);
+          }
         }
-      });
+      }
     }
-    const scalar_t m = points.mask(group, tap);
-    const int64_t at = points.offset_index(group, tap);
-    grad_offset[at] = coordinate_grad(s, m, grad_y, p.border_gradient);
-    grad_offset[at + pixels] = coordinate_grad(s, m, grad_x, p.border_gradient);
-    if (grad_mask != nullptr) grad_mask[points.mask_index(group, tap)] = grad_value;
-  });
+    row += len;
+  }
 }
 
-// Tasks are (image, block of channels) pairs: each owns the part of grad_input it writes.
 template <typename scalar_t>
-DC_CPU_DISPATCH void input_grad_tasks(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
-                                      int64_t blocks, int64_t task_begin, int64_t task_end,
-                                      const scalar_t* grad_columns, scalar_t* grad_input) {
+DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void coordinate_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in,
+                                                              int64_t first_image, int64_t row_begin, int64_t row_end,
+                                                              const scalar_t* grad_columns, scalar_t* grad_offset,
+                                                              scalar_t* grad_mask) {
+  const int64_t channels = p.in_channels, pixels = p.out_pixels(), per_group = p.in_channels_per_group();
+  const int64_t row_size = p.taps() * channels;
+  const bool masked = in.mask != nullptr;
+  const scalar_t* zeros = zero_row<scalar_t>(channels);
+  const OffsetGroupPieces groups(p);
+  check_coordinates_fit(p);
+  std::vector<PointBlock<scalar_t>> tap_points(p.taps());
+  int32_t y_origin[kPointBlock], x_origin[kPointBlock];
+  for (int64_t row = row_begin; row < row_end;) {
+    const int64_t n_local = row / pixels, first = row % pixels, n = first_image + n_local;
+    const int64_t len = std::min({kPointBlock, row_end - row, pixels - first});
+    const scalar_t* image = in.input + n * p.height * p.width * channels;
+    block_origins(p, first, len, y_origin, x_origin);
+    const scalar_t* block_grad = grad_columns + row * row_size;
+    for (int64_t group = 0; group < p.offset_groups; ++group) {
+      tap_points_of_group(p, in, n, group, first, len, y_origin, x_origin, tap_points.data());
+      const ChannelPiece* pieces_begin = groups.pieces.data() + groups.starts[group];
+      const ChannelPiece* pieces_end = groups.pieces.data() + groups.starts[group + 1];
+      for (int64_t b = 0; b < len; ++b) {
+        for (int64_t tap = 0; tap < p.taps(); ++tap) {
+          const PointBlock<scalar_t>& points = tap_points[tap];
+          // d loss / d value, d y and d x, before the mask's factor; the corners outside the image add nothing.
+          scalar_t grad_value = sum_start<scalar_t>(points.nan[b]), grad_y = grad_value, grad_x = grad_value;
+          if (points.inside[b]) {
+            const Corners<scalar_t> corners = points.corners(b, image, p.width, channels, zeros);
+            const scalar_t ly = points.ly[b], lx = points.lx[b], hy = scalar_t(1) - ly, hx = scalar_t(1) - lx;
+            const scalar_t weight_dy[4] = {-hx, -lx, hx, lx}, weight_dx[4] = {-hy, hy, -ly, ly};
+            const scalar_t* grad = block_grad + b * row_size + tap * per_group;
+            for (const ChannelPiece* piece = pieces_begin; piece != pieces_end; ++piece) {
+              scalar_t dot[4];
+              corner_dots(corners, piece->channel, piece->length, grad + piece->column, dot);
+              for (int q = 0; q < 4; ++q) {
+                if (!points.valid[q][b]) continue;
+                grad_value += corners.weight[q] * dot[q];
+                grad_y += weight_dy[q] * dot[q];
+                grad_x += weight_dx[q] * dot[q];
+              }
+            }
+          }
+          const int64_t at = p.offset_index(n, group, tap, first + b), mask_at = p.mask_index(n, group, tap, first + b);
+          const scalar_t m = masked ? in.mask[mask_at] : scalar_t(1);
+          grad_offset[at] = points.coordinate_grad(b, m, grad_y, p.border_gradient);
+          grad_offset[at + pixels] = points.coordinate_grad(b, m, grad_x, p.border_gradient);
+          if (grad_mask != nullptr) grad_mask[mask_at] = grad_value;
+        }
+      }
+    }
+    row += len;
+  }
+}
+
+// Tasks are (image, block of channels) pairs: each owns the part of grad_input it writes. An element of grad_input
+// belongs to one offset group, and sums its terms output pixel by output pixel, tap by tap within a pixel.
+template <typename scalar_t>
+DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void input_grad_tasks(const ConvParams& p, const SamplingInputs<scalar_t>& in,
+                                                               int64_t first_image, int64_t blocks, int64_t task_begin,
+                                                               int64_t task_end, const scalar_t* grad_columns,
+                                                               scalar_t* grad_input) {
   const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_offset_group = p.channels_per_offset_group();
+  const int64_t row_size = p.taps() * channels, per_group = p.in_channels_per_group();
+  const bool masked = in.mask != nullptr;
+  const OffsetGroupPieces groups(p);
+  check_coordinates_fit(p);
+  std::vector<PointBlock<scalar_t>> tap_points(p.taps());
+  int32_t y_origin[kPointBlock], x_origin[kPointBlock];
   for (int64_t task = task_begin; task < task_end; ++task) {
     const int64_t n_local = task / blocks, block = task % blocks, n = first_image + n_local;
     const int64_t block_begin = block * channels / blocks, block_end = (block + 1) * channels / blocks;
     scalar_t* image_grad = grad_input + n * p.height * p.width * channels;
-    for (int64_t pixel = 0; pixel < pixels; ++pixel) {
-      const RowPoints<scalar_t> points(p, in, n, pixel);
+    for (int64_t first = 0; first < pixels; first += kPointBlock) {
+      const int64_t len = std::min(kPointBlock, pixels - first);
+      block_origins(p, first, len, y_origin, x_origin);
+      const scalar_t* block_grad = grad_columns + (n_local * pixels + first) * row_size;
       for (int64_t group = 0; group < p.offset_groups; ++group) {
-        const int64_t c_begin = std::max(block_begin, group * per_offset_group);
-        const int64_t c_end = std::min(block_end, (group + 1) * per_offset_group);
-        if (c_begin >= c_end) continue;
-        for (int64_t i = 0, tap = 0; i < p.kernel_h; ++i) {
-          for (int64_t j = 0; j < p.kernel_w; ++j, ++tap) {
-            const BilinearSample<scalar_t> s = points.sample(group, i, j);
-            if (s.count == 0) continue;
-            const scalar_t m = points.mask(group, tap);
-            for_each_weight_group_piece(p, c_begin, c_end, [&](int64_t g, int64_t c0, int64_t c1) {
-              const scalar_t* __restrict__ grad = grad_columns + column_index(p, n_local, g, pixel, tap, c0);
-              for (int q = 0; q < s.count; ++q) {
-                scalar_t* __restrict__ dst = image_grad + s.pixel[q] * channels + c0;
-                const scalar_t w = m * s.weight[q];
+        if (std::max(block_begin, group * per_offset_group) >= std::min(block_end, (group + 1) * per_offset_group)) {
+          continue;
+        }
+        tap_points_of_group(p, in, n, group, first, len, y_origin, x_origin, tap_points.data());
+        const ChannelPiece* pieces_begin = groups.pieces.data() + groups.starts[group];
+        const ChannelPiece* pieces_end = groups.pieces.data() + groups.starts[group + 1];
+        for (int64_t b = 0; b < len; ++b) {
+          for (int64_t tap = 0; tap < p.taps(); ++tap) {
+            const PointBlock<scalar_t>& points = tap_points[tap];
+            const scalar_t m = masked ? in.mask[p.mask_index(n, group, tap, first + b)] : scalar_t(1);
+            const scalar_t* grad_row = block_grad + b * row_size + tap * per_group;
+            for (const ChannelPiece* piece = pieces_begin; piece != pieces_end; ++piece) {
+              const int64_t c0 = std::max(block_begin, piece->channel);
+              const int64_t c1 = std::min(block_end, piece->channel + piece->length);
+              if (c0 >= c1) continue;
+              const scalar_t* __restrict__ grad = grad_row + piece->column + (c0 - piece->channel);
+              for (int q = 0; q < 4; ++q) {
+                if (!points.valid[q][b]) continue;
+                const int64_t pixel =
+                    (static_cast<int64_t>(points.y0[b]) + (q >> 1)) * p.width + points.x0[b] + (q & 1);
+                scalar_t* __restrict__ dst = image_grad + pixel * channels + c0;
+                const scalar_t w = m * points.weight[q][b];
                 for (int64_t c = 0; c < c1 - c0; ++c) dst[c] += w * grad[c];
               }
-            });
+            }
           }
         }
       }

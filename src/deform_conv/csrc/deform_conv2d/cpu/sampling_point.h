@@ -100,6 +100,124 @@ inline void interpolate(const BilinearSample<scalar_t>& s, const scalar_t* image
   }
 }
 
+// A sampling point as four corners, each the channels of an image pixel with its bilinear weight. A corner
+// outside the image reads `zeros` with weight 0, and a point with a NaN coordinate has NaN weights (on zeros):
+// interpolate_corners then sums the same terms in the same order as interpolate, whose sum leaves such corners
+// out, and a non-finite pixel outside the image still adds nothing.
+template <typename scalar_t>
+struct Corners {
+  const scalar_t* pixel[4];
+  scalar_t weight[4];
+};
+
+// Output pixels whose sampling points are worked out together, one (offset group, tap) at a time.
+constexpr int64_t kPointBlock = 16;
+
+// The sampling points of up to kPointBlock output pixels for one (offset group, tap): bilinear_point's numbers
+// (sampling.h), computed without branches so that the compiler vectorises the loop over the pixels. Between
+// channel loops, one point at a time, that arithmetic took most of the sampling's time where an offset group has
+// few channels (12, cut into pieces of 4 and 8 by the weight groups).
+template <typename scalar_t>
+struct PointBlock {
+  int32_t y0[kPointBlock], x0[kPointBlock];  // the top-left corner
+  int32_t valid[4][kPointBlock];             // whether corner q lies in the image
+  scalar_t weight[4][kPointBlock];           // its weight: 0 outside the image, NaN for a NaN coordinate
+  int32_t inside[kPointBlock], nan[kPointBlock];  // as in BilinearPoint
+  scalar_t ly[kPointBlock], lx[kPointBlock];      // the distances to the top-left corner
+
+  // Point b at (y_base[b] + dy[b], x_base[b] + dx[b]), b < len. (The conditions are 32-bit masks, not bools,
+  // and the function is compiled without trapping math: GCC vectorises the loop only then.)
+  DC_VECTORIZE_COMPARISONS void compute(int64_t len, const int32_t* __restrict y_base,
+                                        const int32_t* __restrict x_base, const scalar_t* __restrict dy,
+                                        const scalar_t* __restrict dx, int64_t height, int64_t width) {
+    const int32_t h = static_cast<int32_t>(height), w = static_cast<int32_t>(width);
+    const scalar_t hf = static_cast<scalar_t>(height), wf = static_cast<scalar_t>(width);
+    int32_t *__restrict ys = y0, *__restrict xs = x0;
+    int32_t *__restrict v0 = valid[0], *__restrict v1 = valid[1], *__restrict v2 = valid[2], *__restrict v3 = valid[3];
+    scalar_t *__restrict w0 = weight[0], *__restrict w1 = weight[1], *__restrict w2 = weight[2];
+    scalar_t* __restrict w3 = weight[3];
+    int32_t *__restrict ins = inside, *__restrict nans = nan;
+    scalar_t *__restrict lys = ly, *__restrict lxs = lx;
+    for (int64_t b = 0; b < len; ++b) {
+      const scalar_t y = static_cast<scalar_t>(y_base[b]) + dy[b], x = static_cast<scalar_t>(x_base[b]) + dx[b];
+      const int32_t is_nan = (y != y || x != x) ? -1 : 0;
+      const int32_t inside = ((y >= scalar_t(-1) && y < hf) ? -1 : 0) & ((x >= scalar_t(-1) && x < wf) ? -1 : 0);
+      // (Outside, the coordinates may be huge: they are replaced before any conversion to an integer.)
+      const scalar_t yc = inside ? y : scalar_t(0), xc = inside ? x : scalar_t(0);
+      const scalar_t yf = floor_of(yc), xf = floor_of(xc);
+      const int32_t yi = static_cast<int32_t>(yf), xi = static_cast<int32_t>(xf);
+      const scalar_t ly = yc - yf, lx = xc - xf, hy = scalar_t(1) - ly, hx = scalar_t(1) - lx;
+      const int32_t top = inside & (yi >= 0 ? -1 : 0), bottom = inside & (yi + 1 < h ? -1 : 0);
+      const int32_t left = inside & (xi >= 0 ? -1 : 0), right = inside & (xi + 1 < w ? -1 : 0);
+      ys[b] = yi;
+      xs[b] = xi;
+      v0[b] = top & left;
+      v1[b] = top & right;
+      v2[b] = bottom & left;
+      v3[b] = bottom & right;
+      ins[b] = inside;
+      nans[b] = is_nan;
+      lys[b] = ly;
+      lxs[b] = lx;
+      w0[b] = is_nan ? scalar_t(NAN) : (top & left) ? hy * hx : scalar_t(0);
+      w1[b] = is_nan ? scalar_t(NAN) : (top & right) ? hy * lx : scalar_t(0);
+      w2[b] = is_nan ? scalar_t(NAN) : (bottom & left) ? ly * hx : scalar_t(0);
+      w3[b] = is_nan ? scalar_t(NAN) : (bottom & right) ? ly * lx : scalar_t(0);
+    }
+  }
+
+  // Point b's corners in `image` (channels-last, `stride` apart per pixel).
+  Corners<scalar_t> corners(int64_t b, const scalar_t* image, int64_t width, int64_t stride,
+                            const scalar_t* zeros) const {
+    Corners<scalar_t> k;
+    for (int q = 0; q < 4; ++q) {
+      const int64_t pixel = (static_cast<int64_t>(y0[b]) + (q >> 1)) * width + x0[b] + (q & 1);
+      k.pixel[q] = valid[q][b] ? image + pixel * stride : zeros;
+      k.weight[q] = weight[q][b];
+    }
+    return k;
+  }
+
+  // d loss / d y (x) of point b with mask factor m, given the derivative of its unmasked value (coordinate_grad).
+  scalar_t coordinate_grad(int64_t b, scalar_t m, scalar_t grad, BorderGradient border) const {
+    const bool on_lower_border = inside[b] && ((y0[b] == -1 && ly[b] == scalar_t(0)) ||
+                                               (x0[b] == -1 && lx[b] == scalar_t(0)));
+    return deform_conv::coordinate_grad((!inside[b] && !nan[b]) || (border == BorderGradient::mmcv && on_lower_border),
+                                        m, grad);
+  }
+};
+
+// dst[c] = (sum over the corners q of weight_q * pixel_q[channel + c]) (* m), c < len.
+template <typename scalar_t>
+inline void interpolate_corners(const Corners<scalar_t>& k, int64_t channel, int64_t len, bool masked, scalar_t m,
+                                scalar_t* __restrict__ dst) {
+  const scalar_t *__restrict__ p0 = k.pixel[0] + channel, *__restrict__ p1 = k.pixel[1] + channel;
+  const scalar_t *__restrict__ p2 = k.pixel[2] + channel, *__restrict__ p3 = k.pixel[3] + channel;
+  const scalar_t w0 = k.weight[0], w1 = k.weight[1], w2 = k.weight[2], w3 = k.weight[3];
+  if (masked) {
+    for (int64_t c = 0; c < len; ++c) dst[c] = (w0 * p0[c] + w1 * p1[c] + w2 * p2[c] + w3 * p3[c]) * m;
+  } else {
+    for (int64_t c = 0; c < len; ++c) dst[c] = w0 * p0[c] + w1 * p1[c] + w2 * p2[c] + w3 * p3[c];
+  }
+}
+
+// dot[q] = sum over c < len of grad[c] * pixel_q[channel + c], for the four corners (neighbour_dots' sums).
+template <typename scalar_t>
+inline void corner_dots(const Corners<scalar_t>& k, int64_t channel, int64_t len, const scalar_t* __restrict grad,
+                        scalar_t dot[4]) {
+  const scalar_t *__restrict p0 = k.pixel[0] + channel, *__restrict p1 = k.pixel[1] + channel;
+  const scalar_t *__restrict p2 = k.pixel[2] + channel, *__restrict p3 = k.pixel[3] + channel;
+  scalar_t d0 = 0, d1 = 0, d2 = 0, d3 = 0;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+  for (int64_t c = 0; c < len; ++c) {
+    d0 += grad[c] * p0[c];
+    d1 += grad[c] * p1[c];
+    d2 += grad[c] * p2[c];
+    d3 += grad[c] * p3[c];
+  }
+  dot[0] = d0, dot[1] = d1, dot[2] = d2, dot[3] = d3;
+}
+
 // dot[q] = sum over c < len of grad[c] * image[pixel_q * stride + c], for each in-image neighbour q.
 // `omp simd reduction` lets the compiler reorder the sums into vector lanes: the order is fixed by the
 // code, so the result is still reproducible run to run.

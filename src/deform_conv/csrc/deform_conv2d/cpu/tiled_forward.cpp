@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <numeric>
 #include <type_traits>
 
 #include "brgemm.h"
@@ -53,7 +54,12 @@ int64_t tile_bytes_per_pixel(const ConvParams& p, at::ScalarType dtype) {
 Tiling tiling(const ConvParams& p, at::ScalarType dtype, int64_t threads) {
   const int64_t most = std::max<int64_t>(1, kTileBytes / tile_bytes_per_pixel(p, dtype));
   const int64_t enough = std::max(kMinTilePixels, ceil_div(p.out_pixels(), ceil_div(threads, p.batch)));
-  const int64_t tiles = ceil_div(p.out_pixels(), std::min(most, enough));
+  int64_t tiles = ceil_div(p.out_pixels(), std::min(most, enough));
+  // A whole number of tasks per thread where the tiles stay large enough: at::parallel_for hands each thread one
+  // share of the tasks, and 3 images of 5 tiles on 2 threads left one thread idle while the other ran its eighth.
+  const int64_t step = threads / std::gcd(p.batch, threads);
+  const int64_t balanced = ceil_div(tiles, step) * step;
+  if (ceil_div(p.out_pixels(), balanced) >= kMinTilePixels) tiles = balanced;
   return {ceil_div(p.out_pixels(), tiles), tiles};
 }
 
