@@ -9,6 +9,7 @@ from typing import Callable, List, Optional, Tuple
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 import deform_conv
 
@@ -137,3 +138,13 @@ def half_gemm_path(mode: str):
             del os.environ["DEFORM_CONV_CPU_HALF_GEMM"]
         else:
             os.environ["DEFORM_CONV_CPU_HALF_GEMM"] = before
+
+
+def hypothesis_profile(ci_examples: int) -> settings:
+    """A property test module's settings, chosen by $HYPOTHESIS_PROFILE: "ci" (the default) runs ci_examples
+    derandomized examples (the same every run, no database); "thorough" 10,000 random ones, failures kept in
+    .hypothesis/ and replayed."""
+    common = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+    if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "thorough":
+        return settings(max_examples=10_000, **common)
+    return settings(max_examples=ci_examples, derandomize=True, database=None, **common)

@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import List, Tuple
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, note, settings
+from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 
+from conftest import hypothesis_profile
 from ms_deform_attn_helpers import (BACKEND_NAMES, HALF_UNITS, NAMES, REFERENCE, Case, assert_close,
                                     assert_close_nonfinite, assert_identical, get_backend, grad_output_for,
                                     level_tensors, results, summed_magnitudes)
 
-_COMMON = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("ci", max_examples=300, derandomize=True, database=None, **_COMMON)
-settings.register_profile("thorough", max_examples=10_000, **_COMMON)
-PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+PROFILE = hypothesis_profile(300)
 
 HALF_TYPES = (torch.float16, torch.bfloat16)
 # Drawn uniformly from this list: mostly float64, some float32, a few half types (shrinks towards float64).

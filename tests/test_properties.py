@@ -14,25 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Optional, Tuple
 
 import torch
-from hypothesis import HealthCheck, event, given, note, settings
+from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 
 from conftest import (TOLERANCES, Case, assert_all_close, assert_all_close_nonfinite, half_gemm_path,
-                      output_and_grads)
+                      hypothesis_profile, output_and_grads)
 
 import deform_conv
 
 ours = deform_conv.deform_conv2d
 reference = deform_conv.deform_conv2d_reference
 
-_COMMON = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("ci", max_examples=400, derandomize=True, database=None, **_COMMON)
-settings.register_profile("thorough", max_examples=10_000, **_COMMON)
-PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+PROFILE = hypothesis_profile(400)
 
 HALF_TYPES = (torch.float16, torch.bfloat16)
 # Drawn uniformly from this list: mostly float64, some float32, a few half types (shrinks towards float64).

@@ -81,6 +81,33 @@ inline void tap_points_of_group(const ConvParams& p, const SamplingInputs<scalar
   }
 }
 
+// What each pass needs to walk its sampling points block by block: the offset groups' channel pieces, one
+// PointBlock per tap (kept per thread: the tiled forward fills the columns once per tile) and the block's origins.
+template <typename scalar_t>
+struct BlockWalk {
+  const ConvParams& p;
+  const SamplingInputs<scalar_t>& in;
+  const OffsetGroupPieces groups;
+  PointBlock<scalar_t>* taps;
+  int32_t y_origin[kPointBlock], x_origin[kPointBlock];
+
+  BlockWalk(const ConvParams& p_, const SamplingInputs<scalar_t>& in_) : p(p_), in(in_), groups(p_) {
+    check_coordinates_fit(p);
+    thread_local std::vector<PointBlock<scalar_t>> kept;
+    if (static_cast<int64_t>(kept.size()) < p.taps()) kept.resize(p.taps());
+    taps = kept.data();
+  }
+
+  // The next block: output pixels first .. first + len - 1.
+  void start_block(int64_t first, int64_t len) { block_origins(p, first, len, y_origin, x_origin); }
+  // taps[tap] for offset group `group` of image n in the block.
+  void compute_group(int64_t n, int64_t group, int64_t first, int64_t len) {
+    tap_points_of_group(p, in, n, group, first, len, y_origin, x_origin, taps);
+  }
+  const ChannelPiece* pieces_begin(int64_t group) const { return groups.pieces.data() + groups.starts[group]; }
+  const ChannelPiece* pieces_end(int64_t group) const { return groups.pieces.data() + groups.starts[group + 1]; }
+};
+
 template <typename scalar_t>
 DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void fill_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in,
                                                         int64_t first_image, int64_t row_begin, int64_t row_end,
@@ -89,23 +116,19 @@ DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void fill_rows(const ConvParams& p, con
   const int64_t row_size = p.taps() * channels;
   const bool masked = in.mask != nullptr;
   const scalar_t* zeros = zero_row<scalar_t>(channels);
-  const OffsetGroupPieces groups(p);
-  check_coordinates_fit(p);
-  std::vector<PointBlock<scalar_t>> tap_points(p.taps());
-  int32_t y_origin[kPointBlock], x_origin[kPointBlock];
+  BlockWalk<scalar_t> walk(p, in);
   for (int64_t row = row_begin; row < row_end;) {
     const int64_t n_local = row / pixels, first = row % pixels, n = first_image + n_local;
     const int64_t len = std::min({kPointBlock, row_end - row, pixels - first});
     const scalar_t* image = in.input + n * p.height * p.width * channels;
-    block_origins(p, first, len, y_origin, x_origin);
+    walk.start_block(first, len);
     scalar_t* block_columns = columns + (row - row_begin) * row_size;
     for (int64_t group = 0; group < p.offset_groups; ++group) {
-      tap_points_of_group(p, in, n, group, first, len, y_origin, x_origin, tap_points.data());
-      const ChannelPiece* pieces_begin = groups.pieces.data() + groups.starts[group];
-      const ChannelPiece* pieces_end = groups.pieces.data() + groups.starts[group + 1];
+      walk.compute_group(n, group, first, len);
+      const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
       for (int64_t b = 0; b < len; ++b) {
         for (int64_t tap = 0; tap < p.taps(); ++tap) {
-          const Corners<scalar_t> corners = tap_points[tap].corners(b, image, p.width, channels, zeros);
+          const Corners<scalar_t> corners = walk.taps[tap].corners(b, image, p.width, channels, zeros);
           const scalar_t m = masked ? in.mask[p.mask_index(n, group, tap, first + b)] : scalar_t(1);
           scalar_t* dst = block_columns + b * row_size + tap * per_group;
           for (const ChannelPiece* piece = pieces_begin; piece != pieces_end; ++piece) {
@@ -127,23 +150,19 @@ DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void coordinate_rows(const ConvParams& 
   const int64_t row_size = p.taps() * channels;
   const bool masked = in.mask != nullptr;
   const scalar_t* zeros = zero_row<scalar_t>(channels);
-  const OffsetGroupPieces groups(p);
-  check_coordinates_fit(p);
-  std::vector<PointBlock<scalar_t>> tap_points(p.taps());
-  int32_t y_origin[kPointBlock], x_origin[kPointBlock];
+  BlockWalk<scalar_t> walk(p, in);
   for (int64_t row = row_begin; row < row_end;) {
     const int64_t n_local = row / pixels, first = row % pixels, n = first_image + n_local;
     const int64_t len = std::min({kPointBlock, row_end - row, pixels - first});
     const scalar_t* image = in.input + n * p.height * p.width * channels;
-    block_origins(p, first, len, y_origin, x_origin);
+    walk.start_block(first, len);
     const scalar_t* block_grad = grad_columns + row * row_size;
     for (int64_t group = 0; group < p.offset_groups; ++group) {
-      tap_points_of_group(p, in, n, group, first, len, y_origin, x_origin, tap_points.data());
-      const ChannelPiece* pieces_begin = groups.pieces.data() + groups.starts[group];
-      const ChannelPiece* pieces_end = groups.pieces.data() + groups.starts[group + 1];
+      walk.compute_group(n, group, first, len);
+      const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
       for (int64_t b = 0; b < len; ++b) {
         for (int64_t tap = 0; tap < p.taps(); ++tap) {
-          const PointBlock<scalar_t>& points = tap_points[tap];
+          const PointBlock<scalar_t>& points = walk.taps[tap];
           // d loss / d value, d y and d x, before the mask's factor; the corners outside the image add nothing.
           scalar_t grad_value = sum_start<scalar_t>(points.nan[b]), grad_y = grad_value, grad_x = grad_value;
           if (points.inside[b]) {
@@ -184,28 +203,24 @@ DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void input_grad_tasks(const ConvParams&
   const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_offset_group = p.channels_per_offset_group();
   const int64_t row_size = p.taps() * channels, per_group = p.in_channels_per_group();
   const bool masked = in.mask != nullptr;
-  const OffsetGroupPieces groups(p);
-  check_coordinates_fit(p);
-  std::vector<PointBlock<scalar_t>> tap_points(p.taps());
-  int32_t y_origin[kPointBlock], x_origin[kPointBlock];
+  BlockWalk<scalar_t> walk(p, in);
   for (int64_t task = task_begin; task < task_end; ++task) {
     const int64_t n_local = task / blocks, block = task % blocks, n = first_image + n_local;
     const int64_t block_begin = block * channels / blocks, block_end = (block + 1) * channels / blocks;
     scalar_t* image_grad = grad_input + n * p.height * p.width * channels;
     for (int64_t first = 0; first < pixels; first += kPointBlock) {
       const int64_t len = std::min(kPointBlock, pixels - first);
-      block_origins(p, first, len, y_origin, x_origin);
+      walk.start_block(first, len);
       const scalar_t* block_grad = grad_columns + (n_local * pixels + first) * row_size;
       for (int64_t group = 0; group < p.offset_groups; ++group) {
         if (std::max(block_begin, group * per_offset_group) >= std::min(block_end, (group + 1) * per_offset_group)) {
           continue;
         }
-        tap_points_of_group(p, in, n, group, first, len, y_origin, x_origin, tap_points.data());
-        const ChannelPiece* pieces_begin = groups.pieces.data() + groups.starts[group];
-        const ChannelPiece* pieces_end = groups.pieces.data() + groups.starts[group + 1];
+        walk.compute_group(n, group, first, len);
+        const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
         for (int64_t b = 0; b < len; ++b) {
           for (int64_t tap = 0; tap < p.taps(); ++tap) {
-            const PointBlock<scalar_t>& points = tap_points[tap];
+            const PointBlock<scalar_t>& points = walk.taps[tap];
             const scalar_t m = masked ? in.mask[p.mask_index(n, group, tap, first + b)] : scalar_t(1);
             const scalar_t* grad_row = block_grad + b * row_size + tap * per_group;
             for (const ChannelPiece* piece = pieces_begin; piece != pieces_end; ++piece) {

@@ -71,6 +71,58 @@ inline void for_each_weight_group_piece(const ConvParams& p, int64_t c_begin, in
   }
 }
 
+// A sampling point as four corners, each the channels of an image pixel with its bilinear weight. A corner
+// outside the image reads `zeros` with weight 0, and a point with a NaN coordinate has NaN weights (on zeros):
+// interpolate_corners then sums the same terms in the same order as interpolate, whose sum leaves such corners
+// out, and a non-finite pixel outside the image still adds nothing.
+template <typename scalar_t>
+struct Corners {
+  const scalar_t* pixel[4];
+  scalar_t weight[4];
+};
+
+// dst[c] = (sum over the corners q of weight_q * pixel_q[channel + c]) (* m), c < len.
+template <typename scalar_t>
+inline void interpolate_corners(const Corners<scalar_t>& k, int64_t channel, int64_t len, bool masked, scalar_t m,
+                                scalar_t* __restrict__ dst) {
+  const scalar_t *__restrict__ p0 = k.pixel[0] + channel, *__restrict__ p1 = k.pixel[1] + channel;
+  const scalar_t *__restrict__ p2 = k.pixel[2] + channel, *__restrict__ p3 = k.pixel[3] + channel;
+  const scalar_t w0 = k.weight[0], w1 = k.weight[1], w2 = k.weight[2], w3 = k.weight[3];
+  if (masked) {
+    for (int64_t c = 0; c < len; ++c) dst[c] = (w0 * p0[c] + w1 * p1[c] + w2 * p2[c] + w3 * p3[c]) * m;
+  } else {
+    for (int64_t c = 0; c < len; ++c) dst[c] = w0 * p0[c] + w1 * p1[c] + w2 * p2[c] + w3 * p3[c];
+  }
+}
+
+// dot[q] = sum over c < len of grad[c] * pixel_q[channel + c], for the four corners (neighbour_dots' sums).
+template <typename scalar_t>
+inline void corner_dots(const Corners<scalar_t>& k, int64_t channel, int64_t len, const scalar_t* __restrict grad,
+                        scalar_t dot[4]) {
+  const scalar_t *__restrict p0 = k.pixel[0] + channel, *__restrict p1 = k.pixel[1] + channel;
+  const scalar_t *__restrict p2 = k.pixel[2] + channel, *__restrict p3 = k.pixel[3] + channel;
+  scalar_t d0 = 0, d1 = 0, d2 = 0, d3 = 0;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+  for (int64_t c = 0; c < len; ++c) {
+    d0 += grad[c] * p0[c];
+    d1 += grad[c] * p1[c];
+    d2 += grad[c] * p2[c];
+    d3 += grad[c] * p3[c];
+  }
+  dot[0] = d0, dot[1] = d1, dot[2] = d2, dot[3] = d3;
+}
+
+// The four neighbours of a sample with all of them in the image, as corners.
+template <typename scalar_t>
+inline Corners<scalar_t> four_corners(const BilinearSample<scalar_t>& s, const scalar_t* image, int64_t stride) {
+  Corners<scalar_t> k;
+  for (int q = 0; q < 4; ++q) {
+    k.pixel[q] = image + s.pixel[q] * stride;
+    k.weight[q] = s.weight[q];
+  }
+  return k;
+}
+
 // dst[c] = (sum over the in-image neighbours q of weight_q * image[pixel_q * stride + c]) (* m), c < len;
 // NaN for a NaN coordinate.
 // The mask multiplies the interpolated value (not the weights), so a non-finite mask propagates exactly as a
@@ -79,14 +131,7 @@ template <typename scalar_t>
 inline void interpolate(const BilinearSample<scalar_t>& s, const scalar_t* image, int64_t stride, int64_t len,
                         bool masked, scalar_t m, scalar_t* __restrict__ dst) {
   if (s.count == 4) {
-    const scalar_t *__restrict__ p0 = image + s.pixel[0] * stride, *__restrict__ p1 = image + s.pixel[1] * stride;
-    const scalar_t *__restrict__ p2 = image + s.pixel[2] * stride, *__restrict__ p3 = image + s.pixel[3] * stride;
-    const scalar_t w0 = s.weight[0], w1 = s.weight[1], w2 = s.weight[2], w3 = s.weight[3];
-    if (masked) {
-      for (int64_t c = 0; c < len; ++c) dst[c] = (w0 * p0[c] + w1 * p1[c] + w2 * p2[c] + w3 * p3[c]) * m;
-    } else {
-      for (int64_t c = 0; c < len; ++c) dst[c] = w0 * p0[c] + w1 * p1[c] + w2 * p2[c] + w3 * p3[c];
-    }
+    interpolate_corners(four_corners(s, image, stride), 0, len, masked, m, dst);
     return;
   }
   std::fill(dst, dst + len, sum_start(s));
@@ -99,16 +144,6 @@ inline void interpolate(const BilinearSample<scalar_t>& s, const scalar_t* image
     for (int64_t c = 0; c < len; ++c) dst[c] *= m;
   }
 }
-
-// A sampling point as four corners, each the channels of an image pixel with its bilinear weight. A corner
-// outside the image reads `zeros` with weight 0, and a point with a NaN coordinate has NaN weights (on zeros):
-// interpolate_corners then sums the same terms in the same order as interpolate, whose sum leaves such corners
-// out, and a non-finite pixel outside the image still adds nothing.
-template <typename scalar_t>
-struct Corners {
-  const scalar_t* pixel[4];
-  scalar_t weight[4];
-};
 
 // Output pixels whose sampling points are worked out together, one (offset group, tap) at a time.
 constexpr int64_t kPointBlock = 16;
@@ -187,65 +222,25 @@ struct PointBlock {
   }
 };
 
-// dst[c] = (sum over the corners q of weight_q * pixel_q[channel + c]) (* m), c < len.
-template <typename scalar_t>
-inline void interpolate_corners(const Corners<scalar_t>& k, int64_t channel, int64_t len, bool masked, scalar_t m,
-                                scalar_t* __restrict__ dst) {
-  const scalar_t *__restrict__ p0 = k.pixel[0] + channel, *__restrict__ p1 = k.pixel[1] + channel;
-  const scalar_t *__restrict__ p2 = k.pixel[2] + channel, *__restrict__ p3 = k.pixel[3] + channel;
-  const scalar_t w0 = k.weight[0], w1 = k.weight[1], w2 = k.weight[2], w3 = k.weight[3];
-  if (masked) {
-    for (int64_t c = 0; c < len; ++c) dst[c] = (w0 * p0[c] + w1 * p1[c] + w2 * p2[c] + w3 * p3[c]) * m;
-  } else {
-    for (int64_t c = 0; c < len; ++c) dst[c] = w0 * p0[c] + w1 * p1[c] + w2 * p2[c] + w3 * p3[c];
-  }
-}
-
-// dot[q] = sum over c < len of grad[c] * pixel_q[channel + c], for the four corners (neighbour_dots' sums).
-template <typename scalar_t>
-inline void corner_dots(const Corners<scalar_t>& k, int64_t channel, int64_t len, const scalar_t* __restrict grad,
-                        scalar_t dot[4]) {
-  const scalar_t *__restrict p0 = k.pixel[0] + channel, *__restrict p1 = k.pixel[1] + channel;
-  const scalar_t *__restrict p2 = k.pixel[2] + channel, *__restrict p3 = k.pixel[3] + channel;
-  scalar_t d0 = 0, d1 = 0, d2 = 0, d3 = 0;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-  for (int64_t c = 0; c < len; ++c) {
-    d0 += grad[c] * p0[c];
-    d1 += grad[c] * p1[c];
-    d2 += grad[c] * p2[c];
-    d3 += grad[c] * p3[c];
-  }
-  dot[0] = d0, dot[1] = d1, dot[2] = d2, dot[3] = d3;
-}
-
 // dot[q] = sum over c < len of grad[c] * image[pixel_q * stride + c], for each in-image neighbour q.
 // `omp simd reduction` lets the compiler reorder the sums into vector lanes: the order is fixed by the
 // code, so the result is still reproducible run to run.
 template <typename scalar_t>
 inline void neighbour_dots(const BilinearSample<scalar_t>& s, const scalar_t* image, int64_t stride, int64_t len,
                            const scalar_t* __restrict__ grad, scalar_t dot[4]) {
-  const scalar_t* p[4];
-  for (int q = 0; q < 4; ++q) p[q] = image + (q < s.count ? s.pixel[q] : s.pixel[0]) * stride;
-  const scalar_t *__restrict__ p0 = p[0], *__restrict__ p1 = p[1], *__restrict__ p2 = p[2], *__restrict__ p3 = p[3];
-  scalar_t d0 = 0, d1 = 0, d2 = 0, d3 = 0;
   if (s.count == 4) {
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-    for (int64_t c = 0; c < len; ++c) {
-      d0 += grad[c] * p0[c];
-      d1 += grad[c] * p1[c];
-      d2 += grad[c] * p2[c];
-      d3 += grad[c] * p3[c];
-    }
-  } else {
-    for (int q = 0; q < s.count; ++q) {
-      const scalar_t* __restrict__ src = p[q];
-      scalar_t d = 0;
+    corner_dots(four_corners(s, image, stride), 0, len, grad, dot);
+    return;
+  }
+  for (int q = 0; q < 4; ++q) {
+    scalar_t d = 0;
+    if (q < s.count) {
+      const scalar_t* __restrict__ src = image + s.pixel[q] * stride;
 #pragma omp simd reduction(+ : d)
       for (int64_t c = 0; c < len; ++c) d += grad[c] * src[c];
-      (q == 0 ? d0 : q == 1 ? d1 : q == 2 ? d2 : d3) = d;
     }
+    dot[q] = d;
   }
-  dot[0] = d0, dot[1] = d1, dot[2] = d2, dot[3] = d3;
 }
 
 }  // namespace cpu
