@@ -1,6 +1,6 @@
 """Opt-in ahead-of-time build: `DEFORM_CONV_AOT=1 pip install --no-build-isolation .` compiles the kernels at
 install time with torch's BuildExtension (the classic extension route) from the same sources and flags as the
-JIT loader (src/deform_conv/_sources.py), and bundles them in deform_conv/_prebuilt/ with their key. At import
+JIT loader (src/deform_conv/_jit/sources.py), and bundles them in deform_conv/_prebuilt/ with their key. At import
 the package prefers a bundled library whose key matches this environment and falls back to the JIT cache.
 
 Without DEFORM_CONV_AOT=1 this is a plain pure-Python install: nothing is compiled. (--no-build-isolation:
@@ -30,7 +30,8 @@ def aot_setup_args() -> dict:
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     _package_stub()
-    from deform_conv import _compile, _loader, _sources, _toolchain, _variant
+    from deform_conv._jit import compile as _compile, loader as _loader, sources as _sources
+    from deform_conv._jit import toolchain as _toolchain, variant as _variant
 
     variants = [_variant.Variant("cpu")]
     archs = _variant.requested_cuda_archs()
@@ -62,7 +63,7 @@ def aot_setup_args() -> dict:
 def aot_requested() -> bool:
     """$DEFORM_CONV_AOT, validated as the package validates every variable (a typo is an error, not a no)."""
     _package_stub()
-    from deform_conv import _settings
+    from deform_conv._jit import settings as _settings
 
     return _settings.ahead_of_time()
 

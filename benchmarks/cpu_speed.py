@@ -5,7 +5,7 @@
     python benchmarks/cpu_speed.py --dtype bfloat16    # cpu_bfloat16.md: ours in bf16 vs fp32 and conv2d
     deform-conv bench [--smoke] [--extra] [--small] [--threads N[,N...]] [--dtype D] [--out DIR]
 
-The suite itself lives in the package (deform_conv/_bench.py) so that the command line can run it.
+The suite itself lives in the package (deform_conv/_bench/) so that the command line can run it.
 """
 
 import sys

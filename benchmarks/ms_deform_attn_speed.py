@@ -16,7 +16,7 @@ Timing with torch.utils.benchmark: one warm-up call, then the two implementation
 ``blocked_autorange`` each per round (its block-size estimate is a further warm-up) until each has had
 ``--min-seconds`` and at least 3 rounds, and the median of all their calls is reported; taking turns lets both meet
 the same load on a shared machine, so that the ratio measures the implementations and not the load's drift.
-Peak memory on the CPU as ``deform-conv bench`` measures it (deform_conv/_bench.py): in a child process per
+Peak memory on the CPU as ``deform-conv bench`` measures it (deform_conv/_bench/timing.py): in a child process per
 measurement, the rise of the resident set's high-water mark during one call after a warm-up one, with malloc
 made to map every block of 64 KiB or more on its own so that the resident set follows the live memory, plus
 the scratch memory our kernels keep between calls; on CUDA ``torch.cuda.max_memory_allocated`` over what the
@@ -48,7 +48,8 @@ from torch.utils import benchmark
 
 import deform_conv
 from deform_conv._bench import steady_malloc
-from deform_conv._reference import ms_deform_attn_grid_sample
+from deform_conv._ops.ms_deform_attn.function import _compiled_devices
+from deform_conv._ops.ms_deform_attn.reference import ms_deform_attn_grid_sample
 
 IMAGE = (800, 1200)
 STRIDES = (8, 16, 32, 64)
@@ -169,7 +170,7 @@ def peak_child(config: Config, impl: str, threads: int) -> float:
     call()  # one-time allocations (thread pools, caches) are not the call's
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets the high-water mark to the current resident set
-    before = _status_kib("VmHWM:")  # measured from the reset mark itself, as _bench.py does
+    before = _status_kib("VmHWM:")  # measured from the reset mark itself, as _bench/timing.py does
     call()
     kept = torch.ops.deform_conv.kept_scratch_bytes() / 1024 if impl == "ours" and hasattr(
         torch.ops.deform_conv, "kept_scratch_bytes") else 0
@@ -232,7 +233,7 @@ def cuda_kernel_missing() -> Optional[str]:
     reference, which is not what this benchmark measures."""
     if not torch.cuda.is_available():
         return "no CUDA device visible"
-    if "cuda" not in deform_conv._ops._compiled_devices:
+    if "cuda" not in _compiled_devices:
         return "deform_conv's CUDA library is not loaded"
     t = make_inputs(Config("decoder", "fp32", "fwd", "cuda"))
     try:

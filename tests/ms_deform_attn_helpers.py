@@ -17,8 +17,8 @@ import torch
 from conftest import TOLERANCES
 
 import deform_conv
-from deform_conv._errors import BuildError
-from deform_conv._reference import ms_deform_attn_grid_sample, ms_deform_attn_reference
+from deform_conv import BuildError
+from deform_conv._ops.ms_deform_attn.reference import ms_deform_attn_grid_sample, ms_deform_attn_reference
 
 NAMES = ("output", "grad_value", "grad_sampling_locations", "grad_attention_weights")
 HALF_TYPES = (torch.float16, torch.bfloat16)
@@ -147,7 +147,6 @@ BACKEND_NAMES = ("cpu", "cuda_simulation")
 
 def get_backend(name: str) -> Backend:
     return PUBLIC if name == "cpu" else simulation_backend()
-
 
 
 def grad_output_for(out: torch.Tensor, seed: int = 1) -> torch.Tensor:

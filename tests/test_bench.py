@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from deform_conv import _bench, _bench_tables
+from deform_conv import _bench
+from deform_conv._bench import cases, environment, suite, tables, timing
 
 
 def test_smoke_benchmark_measures_every_column():
-    rows = _bench.run(_bench.SMOKE_CASES, min_seconds=0.01, memory=True, onnx=True)
+    rows = suite.run(cases.SMOKE_CASES, min_seconds=0.01, memory=True, onnx=True)
     assert [r["case"] for r in rows] == ["T1", "T2"]
     for row in rows:
         for impl in ("ours", "torchvision", "conv2d"):
@@ -37,32 +38,32 @@ def test_bench_command_writes_the_table(tmp_path):
 
 
 def test_a_case_with_a_width_is_not_square():
-    case = _bench.Case("W", 2, 6, 4, 9, offset_groups=3, width=14, stride=2)
+    case = cases.Case("W", 2, 6, 4, 9, offset_groups=3, width=14, stride=2)
     assert "9x14" in case.describe()
-    assert "33x31" in _bench.SMALL_CASES[1].describe() and "40x40" in _bench.SMALL_CASES[2].describe()
-    t = _bench.make_inputs(case)
+    assert "33x31" in cases.SMALL_CASES[1].describe() and "40x40" in cases.SMALL_CASES[2].describe()
+    t = cases.make_inputs(case)
     out_h, out_w = (9 + 2 - 3) // 2 + 1, (14 + 2 - 3) // 2 + 1
     assert out_h != out_w and case.output_size() == (out_h, out_w)
     assert t["x"].shape == (2, 6, 9, 14)
     assert t["offset"].shape == (2, 2 * 3 * 9, out_h, out_w)
     assert t["mask"].shape == (2, 3 * 9, out_h, out_w)
-    assert _bench._conv2d(case, t).shape == (2, 4, out_h, out_w)
+    assert cases._conv2d(case, t).shape == (2, 4, out_h, out_w)
 
 
 def test_every_peer_computes_the_grouped_non_square_case():
-    case = _bench.SMALL_CASES[1]  # G2: weight groups 3, offset groups 5, 33x31
-    t = _bench.make_inputs(case)
-    ours = _bench._ours(case, t)
+    case = cases.SMALL_CASES[1]  # G2: weight groups 3, offset groups 5, 33x31
+    t = cases.make_inputs(case)
+    ours = cases._ours(case, t)
     assert ours.shape == (3, 60, 33, 31)
-    torch.testing.assert_close(ours, _bench._torchvision(case, t), rtol=1e-4, atol=1e-4)
-    assert _bench._conv2d(case, t).shape == ours.shape
-    session = _bench.onnxruntime_call(case)
+    torch.testing.assert_close(ours, cases._torchvision(case, t), rtol=1e-4, atol=1e-4)
+    assert cases._conv2d(case, t).shape == ours.shape
+    session = timing.onnxruntime_call(case)
     if session is not None:
         torch.testing.assert_close(torch.from_numpy(session()[0]), ours, rtol=1e-4, atol=1e-4)
 
 
 def test_half_table_measures_every_column():
-    rows = _bench_tables.run_half(_bench.SMOKE_CASES, torch.bfloat16, min_seconds=0.01)
+    rows = tables.run_half(cases.SMOKE_CASES, torch.bfloat16, min_seconds=0.01)
     assert [r["case"] for r in rows] == ["T1", "T2"]
     for row in rows:
         timings = {k: v for k, v in row.items() if k not in ("case", "config")}
@@ -70,18 +71,18 @@ def test_half_table_measures_every_column():
         assert set(timings) == {f"{impl}_{phase}" for impl in impls for phase in ("fwd", "fwdbwd")}
         for key, value in timings.items():
             assert math.isfinite(value) and value > 0, (key, value)
-        assert _bench_tables.format_half_row(row).count("|") == 15  # 14 cells, as half_header's
+        assert tables.format_half_row(row).count("|") == 15  # 14 cells, as half_header's
 
 
 def test_channels_last_call_feeds_conv2d_channels_last_tensors():
-    case = _bench.SMOKE_CASES[0]
-    t = _bench.to_channels_last(_bench.make_inputs(case, dtype=torch.bfloat16))
+    case = cases.SMOKE_CASES[0]
+    t = cases.to_channels_last(cases.make_inputs(case, dtype=torch.bfloat16))
     assert t["x"].is_contiguous(memory_format=torch.channels_last) and not t["x"].is_contiguous()
-    assert _bench._conv2d(case, t).is_contiguous(memory_format=torch.channels_last)
+    assert cases._conv2d(case, t).is_contiguous(memory_format=torch.channels_last)
 
 
 def test_thread_scaling_has_a_row_per_case_and_count():
-    rows = _bench_tables.run_threads(_bench.SMOKE_CASES, [1, 2], min_seconds=0.01)
+    rows = tables.run_threads(cases.SMOKE_CASES, [1, 2], min_seconds=0.01)
     assert [(r["case"], r["threads"]) for r in rows] == [("T1", 1), ("T1", 2), ("T2", 1), ("T2", 2)]
     for row in rows:
         for key in ("ours_fwd", "ours_fwdbwd", "conv2d_fwd", "conv2d_fwdbwd", "speedup_fwd", "speedup_fwdbwd"):
@@ -90,7 +91,7 @@ def test_thread_scaling_has_a_row_per_case_and_count():
 
 
 def test_thread_counts_above_the_cores_are_skipped_with_a_note():
-    usable, notes = _bench_tables.usable_thread_counts([1, 2, 4], cores=2)
+    usable, notes = tables.usable_thread_counts([1, 2, 4], cores=2)
     assert usable == [1, 2] and len(notes) == 1 and "4 threads" in notes[0]
 
 
@@ -132,9 +133,9 @@ def test_bad_arguments_are_argparse_errors_naming_the_argument(args, named, caps
 
 
 def test_onednn_isa_names_an_instruction_set():
-    assert _bench.parse_onednn_isa("x\nonednn_verbose,v1,info,cpu,isa:Intel AVX2\ny") == "Intel AVX2"
-    assert _bench.parse_onednn_isa("onednn_verbose,v1,info,gpu,runtime:none") == "unknown"
-    isa = _bench.onednn_isa()
+    assert environment.parse_onednn_isa("x\nonednn_verbose,v1,info,cpu,isa:Intel AVX2\ny") == "Intel AVX2"
+    assert environment.parse_onednn_isa("onednn_verbose,v1,info,gpu,runtime:none") == "unknown"
+    isa = environment.onednn_isa()
     assert isinstance(isa, str) and isa.strip()
     if torch.backends.mkldnn.is_available():
         assert isa != "unknown"
@@ -142,7 +143,7 @@ def test_onednn_isa_names_an_instruction_set():
 
 def test_interleaved_medians_call_each_at_least_three_times_in_turns():
     order = []
-    medians = _bench.interleaved_medians({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+    medians = timing.interleaved_medians({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
                                          min_seconds=0.0)
     assert set(medians) == {"a", "b"} and all(m >= 0 for m in medians.values())
     assert order == ["a", "b"] * 4  # a warm-up each, then three rounds of one call each

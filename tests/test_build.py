@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import deform_conv
-from deform_conv import _cache, _compile, _loader, _progress, _toolchain, _variant
+from deform_conv._jit import cache as _cache, compile as _compile, loader as _loader, progress as _progress
+from deform_conv._jit import toolchain as _toolchain, variant as _variant
 
 from loader_helpers import ROOT, child_env, compile_lines, fast_compiler
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import deform_conv
-from deform_conv import _cache, _compile, _loader, _variant
+from deform_conv._jit import cache as _cache, compile as _compile, loader as _loader, variant as _variant
 
 from loader_helpers import IMPORT_AND_REPORT, child_env, compile_lines, fast_compiler, run_python
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import deform_conv
-from deform_conv import _cache, _toolchain
+from deform_conv._jit import cache as _cache, toolchain as _toolchain
 
 from loader_helpers import (IMPORT_AND_REPORT, child_env, compile_lines, copy_current_cpu_entry, fast_compiler,
                             read_only_command, run_python)
@@ -146,7 +146,8 @@ def test_a_relative_cache_dir_is_made_absolute(tmp_path, fast_cxx):
 def test_a_relative_xdg_cache_home_is_ignored_as_the_spec_says(tmp_path):
     env = child_env(tmp_path, HOME=str(tmp_path / "home"), XDG_CACHE_HOME="relative/xdg")
     del env["DEFORM_CONV_CACHE_DIR"]
-    result = subprocess.run([sys.executable, "-c", "from deform_conv import _settings; print(_settings.cache_dir())"],
+    code = "from deform_conv._jit import settings; print(settings.cache_dir())"
+    result = subprocess.run([sys.executable, "-c", code],
                             capture_output=True, text=True, env={**env, "DEFORM_CONV_FALLBACK": "reference",
                                                                  "CXX": "/nonexistent"})
     assert result.stdout.split()[-1] == str(tmp_path / "home" / ".cache" / "deform_conv"), result.stderr

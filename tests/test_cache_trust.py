@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import deform_conv
-from deform_conv import _cache
+from deform_conv._jit import cache as _cache
 
 from loader_helpers import IMPORT_AND_REPORT, child_env, fast_compiler
 

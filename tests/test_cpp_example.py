@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import deform_conv
-from deform_conv import _toolchain
+from deform_conv._jit import toolchain as _toolchain
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "cpp"
 TARGET = "deform_conv_example"

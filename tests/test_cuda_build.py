@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from deform_conv import _cache, _toolchain
+from deform_conv._jit import cache as _cache, toolchain as _toolchain
 
 from loader_helpers import child_env
 

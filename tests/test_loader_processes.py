@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 
-from deform_conv import _cache
+from deform_conv._jit import cache as _cache
 
 from loader_helpers import (IMPORT_AND_REPORT, ROOT, child_env, compile_lines, copy_current_cpu_entry, fast_compiler,
                             read_only_command, run_python)
@@ -92,7 +92,7 @@ def test_broken_compiler_raises_build_error_with_log(tmp_path):
     broken.chmod(0o755)
     result = run_python("import deform_conv", child_env(tmp_path / "cache", CXX=str(broken)))
     assert result.returncode != 0
-    assert "deform_conv._errors.BuildError: compiling deform_conv's CPU kernels failed" in result.stderr
+    assert "deform_conv._jit.errors.BuildError: compiling deform_conv's CPU kernels failed" in result.stderr
     assert "internal compiler error: out of luck" in result.stderr
     log = next(line.split("Full log: ", 1)[1] for line in result.stderr.splitlines() if line.startswith("Full log: "))
     assert Path(log).is_file() and "out of luck" in Path(log).read_text()

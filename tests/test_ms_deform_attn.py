@@ -24,7 +24,7 @@ from ms_deform_attn_helpers import (BACKEND_NAMES, GRID_SAMPLE, HALF_TYPES, NAME
                                     results, summed_magnitudes)
 
 import deform_conv
-from deform_conv._reference import ms_deform_attn_reference
+from deform_conv._ops.ms_deform_attn.reference import ms_deform_attn_reference
 
 
 @pytest.fixture(params=BACKEND_NAMES)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from deform_conv import _progress
+from deform_conv._jit import progress as _progress
 
 from loader_helpers import child_env, fast_compiler
 

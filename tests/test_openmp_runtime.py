@@ -35,7 +35,7 @@ import pytest
 import torch
 
 import deform_conv
-from deform_conv import _compile, _sources, _toolchain, _variant
+from deform_conv._jit import compile as _compile, sources as _sources, toolchain as _toolchain, variant as _variant
 
 # The names OpenMP runtimes go by: GNU (libgomp.so.1, renamed libgomp-<hash>.so.1.0.0), LLVM (libomp.so.5) and
 # Intel's (libiomp5.so).
@@ -170,7 +170,7 @@ print(json.dumps(dict(
     new_threads=sorted(set(after) - set(baseline)), wall=wall, cpu=cpu,
     torch_workers=len(workers), torch_workers_ticks=sum(after.get(t, 0) - baseline[t] for t in workers),
     main_ticks=after[main] - baseline[main], openmp_runtimes=openmp_runtimes(),
-    torch_runtime=str(deform_conv._toolchain.torch_openmp_runtime() or "") or None,
+    torch_runtime=str(deform_conv._jit.toolchain.torch_openmp_runtime() or "") or None,
 )))
 """
 

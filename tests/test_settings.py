@@ -9,8 +9,8 @@ import sys
 import pytest
 
 import deform_conv
-from deform_conv import _compile, _settings, _variant
-from deform_conv._errors import BuildError
+from deform_conv import BuildError
+from deform_conv._jit import compile as _compile, settings as _settings, variant as _variant
 
 from loader_helpers import ROOT, child_env
 

@@ -1,6 +1,6 @@
 """Deformable convolution (DCNv1 and DCNv2) for PyTorch, with C++ kernels built for this machine on first import.
 
-Importing the package loads the kernel libraries from the cache, compiling them once if needed (``_loader``):
+Importing the package loads the kernel libraries from the cache, compiling them once if needed (``_jit``):
 the CPU library always, the CUDA library when a GPU is visible or $TORCH_CUDA_ARCH_LIST asks for one.
 """
 
@@ -10,9 +10,10 @@ import warnings as _warnings
 from typing import Tuple as _Tuple
 
 from ._version import __version__
-from ._errors import BuildError
-from ._loader import LoadedLibrary, cache_root
-from . import _loader, _ms_deform_attn, _ops, _settings, _variant
+from ._jit.errors import BuildError
+from ._jit.loader import LoadedLibrary, cache_root
+from ._jit import loader as _loader, settings as _settings, variant as _variant
+from . import _ops
 
 libraries: _Tuple[LoadedLibrary, ...] = ()  # what was loaded, from where, and whether it was just built
 
@@ -39,8 +40,9 @@ def _load_libraries() -> _Tuple[LoadedLibrary, ...]:
             if variant.kind == "cpu":
                 break  # the CUDA library implements the schemas the CPU library defines
     libraries = tuple(loaded)
-    _ops.use_compiled_kernels({lib.variant.kind for lib in libraries})
-    _ms_deform_attn.use_compiled_kernels()
+    devices = {lib.variant.kind for lib in libraries}
+    for op in _ops.OPS:
+        op.use_compiled_kernels(devices)
     return libraries
 
 
@@ -59,9 +61,8 @@ def _invoked_as_command_line() -> bool:
 if not _invoked_as_command_line():
     _load_libraries()
 
-from ._ops import deform_conv2d  # noqa: E402
-from ._ms_deform_attn import ms_deform_attn  # noqa: E402
-from ._reference import deform_conv2d_reference, ms_deform_attn_reference  # noqa: E402
+from ._ops.deform_conv2d import deform_conv2d, deform_conv2d_reference  # noqa: E402
+from ._ops.ms_deform_attn import ms_deform_attn, ms_deform_attn_reference  # noqa: E402
 from .nn import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack, MSDeformAttn  # noqa: E402
 from .compat import convert_modules  # noqa: E402
 

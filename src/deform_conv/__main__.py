@@ -18,7 +18,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 import deform_conv
-from deform_conv import _cache, _doctor, _loader, _toolchain, _variant
+from deform_conv._jit import cache as _cache, doctor as _doctor, loader as _loader, toolchain as _toolchain
+from deform_conv._jit import variant as _variant
 
 
 def _median_ms(fn: Callable[[], object], repeats: int = 7) -> float:

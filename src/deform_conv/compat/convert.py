@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 from torch import Tensor, nn
 
-from .._checks import IntPair
+from .._ops.shared.checks import IntPair
 from ..nn import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack
 
 

@@ -12,9 +12,9 @@ from typing import Any, List, Optional
 import torch
 from torch import Tensor
 
-from .. import _ops
-from .._checks import check_ms_deform_attn_args
-from .._reference import ms_deform_attn_reference
+from .._ops.ms_deform_attn.checks import check_ms_deform_attn_args
+from .._ops.ms_deform_attn.function import _compiled_devices
+from .._ops.ms_deform_attn.reference import ms_deform_attn_reference
 
 MSDA_MODULE_NAME = "MultiScaleDeformableAttention"
 
@@ -36,7 +36,7 @@ def _msda_forward(value: Tensor, spatial_shapes: Tensor, level_start_index: Tens
     _check_im2col_step(im2col_step)
     check_ms_deform_attn_args(value, spatial_shapes, level_start_index, sampling_loc, attn_weight)
     with torch.no_grad():
-        if value.device.type not in _ops._compiled_devices:  # as ms_deform_attn: no library for this device
+        if value.device.type not in _compiled_devices:  # as ms_deform_attn: no library for this device
             return ms_deform_attn_reference(value, spatial_shapes, level_start_index, sampling_loc, attn_weight)
         return torch.ops.deform_conv.ms_deform_attn(value, spatial_shapes, level_start_index, sampling_loc,
                                                     attn_weight)
@@ -53,7 +53,7 @@ def _msda_backward(value: Tensor, spatial_shapes: Tensor, level_start_index: Ten
     if tuple(grad_output.shape) != expected:
         raise ValueError(f"grad_output must have shape {expected} [N, Lq, M * D] (from value and sampling_loc), "
                          f"got {tuple(grad_output.shape)}")
-    if value.device.type not in _ops._compiled_devices:
+    if value.device.type not in _compiled_devices:
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_() for t in (value, sampling_loc, attn_weight)]
             out = ms_deform_attn_reference(leaves[0], spatial_shapes, level_start_index, leaves[1], leaves[2])

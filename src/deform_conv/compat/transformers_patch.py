@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import torch
 from torch import Tensor
 
-from .._ms_deform_attn import ms_deform_attn
+from .._ops.ms_deform_attn import ms_deform_attn
 
 # transformers copies one module class, MultiScaleDeformableAttention (decorated for its hub kernel
 # "MultiScaleDeformableAttention"), into every model that uses it (Deformable DETR, Grounding DINO, RT-DETR, ...),

@@ -17,8 +17,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import _loader, _settings
-from .._variant import Variant
+from .._jit import loader as _loader, settings as _settings
+from .._jit.variant import Variant
 
 _loaded: Optional[_loader.LoadedLibrary] = None
 

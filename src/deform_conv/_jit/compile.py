@@ -22,10 +22,10 @@ from typing import Dict, List
 
 import torch
 
-from . import _settings, _sources, _toolchain
-from ._errors import BuildError
-from ._progress import Elapsed
-from ._variant import CSRC, Variant
+from . import settings as _settings, sources as _sources, toolchain as _toolchain
+from .errors import BuildError
+from .progress import Elapsed
+from .variant import CSRC, Variant
 
 # Runs in the child: cpp_extension.load always loads what it built, and the importer must load only the published
 # library (and a CLI prebuild for other GPU archs must not load at all).

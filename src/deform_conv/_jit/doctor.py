@@ -10,8 +10,8 @@ from typing import List
 
 import torch
 
-from . import _cache, _loader, _toolchain, _variant
-from ._version import __version__
+from . import cache as _cache, loader as _loader, toolchain as _toolchain, variant as _variant
+from .._version import __version__
 
 
 def _size(path: Path) -> str:

@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-from ._errors import BuildError
+from .errors import BuildError
 
 # name -> (default, what it accepts): the README's table, one row each.
 VARIABLES: Dict[str, Tuple[str, str]] = {

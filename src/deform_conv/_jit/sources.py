@@ -1,4 +1,4 @@
-"""What each kernel library is compiled from and with: the one list shared by the JIT loader (_compile.py)
+"""What each kernel library is compiled from and with: the one list shared by the JIT loader (compile.py)
 and the opt-in ahead-of-time build (setup.py). Plain data, no imports, so setup.py can read it by path."""
 
 CSRC_DIR = "csrc"  # relative to the package directory
@@ -34,7 +34,7 @@ CUDA_SIMULATION_SOURCES = (
 )
 
 # -fopenmp makes at::parallel_for use threads (its OpenMP backend is header code compiled into the library). With
-# GCC the link names the OpenMP runtime torch loaded instead of -fopenmp's -lgomp (_compile.link_flags), so
+# GCC the link names the OpenMP runtime torch loaded instead of -fopenmp's -lgomp (compile.link_flags), so
 # that the library uses torch's runtime and thread count.
 # --as-needed drops the libraries cpp_extension always lists but the library does not use (libtorch_python
 # among them, which would tie it to one Python version).

@@ -1,6 +1,6 @@
 """Where cache entries live, whether they may be trusted, and every write the loader makes there.
 
-Layout under the cache root (see :func:`deform_conv._settings.cache_dir`)::
+Layout under the cache root (see :func:`deform_conv._jit.settings.cache_dir`)::
 
     <tag>-torch<version>-<environment hash>-<toolchain hash>/   one complete entry: key.json, the library, build.log
     .build-<entry>-XXXX/                                         a build in progress (private; renamed when done)
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Dict, Iterator, List, Optional, Tuple
 
-from ._variant import ENTRY_NAME
+from .variant import ENTRY_NAME
 
 KEY_FILE = "key.json"
 TOOLCHAINS_FILE = "toolchains.json"
@@ -181,7 +181,7 @@ def _bundled_problem(st: os.stat_result, what: str) -> Optional[str]:
     """The library installed with the package (DEFORM_CONV_AOT=1) is as trustworthy as the package's own Python
     files beside it, which run anyway: it must be owned by their owner (or you, or root) and writable by no one
     who cannot also write them (pip applies the umask, so under 002 both are group-writable)."""
-    package = os.stat(Path(__file__).resolve().parent / "__init__.py")
+    package = os.stat(Path(__file__).resolve().parents[1] / "__init__.py")  # deform_conv/__init__.py
     if st.st_uid not in (os.geteuid(), 0, package.st_uid):
         return f"{what} is owned by {_owner_name(st.st_uid)}, not by the package's owner, you or root"
     extra = st.st_mode & 0o022 & ~package.st_mode

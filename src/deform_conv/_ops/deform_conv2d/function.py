@@ -1,20 +1,22 @@
-"""The Python face of the op: the public function, the fake kernels, the autograd formula and the autocast rule.
+"""The Python face of deform_conv2d: the public function, the fake kernels, the autograd formula and the autocast
+rule.
 
-Both ops are defined by the C++ library (csrc/ops.cpp); :func:`use_compiled_kernels` registers the Python
+The op is defined by the C++ library (csrc/ops.cpp); :func:`use_compiled_kernels` registers the Python
 parts once it is loaded. Devices without compiled kernels (only with DEFORM_CONV_FALLBACK=reference) run the
 pure-PyTorch reference.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import List, Optional, Sequence, Set
 
 import torch
 from torch import Tensor
 
-from ._checks import IntPair, check_args, check_border_gradient
-from ._reference import deform_conv2d_reference
+from ..shared.checks import IntPair
+from ..shared.function import autocast_cast, autocast_inputs, in_onnx_export
+from .checks import check_args, check_border_gradient
+from .reference import deform_conv2d_reference
 
 # Device types ("cpu", "cuda") whose compiled kernels are loaded.
 _compiled_devices: Set[str] = set()
@@ -65,8 +67,8 @@ def deform_conv2d(
             input, offset, weight, bias, mask = autocast_inputs(input, offset, weight, bias, mask)
             geo = check_args(input, offset, weight, mask, bias, stride, padding, dilation)
             check_border_gradient(border_gradient)
-            if _in_onnx_export():
-                symbolic = _onnx_export.deform_conv_symbolic(input, offset, weight, bias, geo, mask)
+            if in_onnx_export():
+                symbolic = _onnx_export().deform_conv_symbolic(input, offset, weight, bias, geo, mask)
                 if symbolic is not None:
                     return symbolic
             if input.device.type not in _compiled_devices:
@@ -75,48 +77,19 @@ def deform_conv2d(
             return torch.ops.deform_conv.deform_conv2d(
                 input, offset, weight, mask, bias, list(geo.stride), list(geo.padding), list(geo.dilation),
                 border_gradient)
-        if _in_onnx_export():  # the TorchScript-based exporter: it maps the traced op with our symbolic
-            _onnx_export.register_torchscript_symbolic()
+        if in_onnx_export():  # the TorchScript-based exporter: it maps the traced op with our symbolic
+            _onnx_export().register_torchscript_symbolic()
     return torch.ops.deform_conv.deform_conv2d(
         input, offset, weight, mask, bias, _script_pair(stride), _script_pair(padding), _script_pair(dilation),
         border_gradient)
 
 
-def autocast_cast(t, dtype: torch.dtype):
-    """Both ops' autocast rule, as autocast treats ``conv2d``: a float32 or half tensor becomes ``dtype``; float64
-    tensors, integer tensors and anything that is not a tensor are left alone."""
-    if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64:
-        return t.to(dtype)
-    return t
-
-
 @torch.jit.unused
-def autocast_inputs(*tensors):
-    """The tensors as the op's autocast kernel will cast them, where autocast is on for their device: so that the
-    checks, which want one dtype, see what the kernels will get. Under autocast the tensors of a layer often differ
-    (a Linear's bfloat16 output beside float32 locations or a float32 input)."""
-    first = next((t for t in tensors if isinstance(t, Tensor)), None)
-    if first is None or not torch.is_autocast_enabled(first.device.type):
-        return tensors
-    dtype = torch.get_autocast_dtype(first.device.type)
-    return tuple(autocast_cast(t, dtype) for t in tensors)
+def _onnx_export():
+    """This op's ONNX export (onnx.py), imported by the first call an export makes: it imports torch.onnx."""
+    from . import onnx
 
-
-@torch.jit.unused
-def _in_onnx_export() -> bool:
-    """Whether torch.onnx.export is running. Never imports torch.onnx (~26 ms): an export has imported it."""
-    onnx = sys.modules.get("torch.onnx")
-    if onnx is None or not onnx.is_in_onnx_export():
-        return False
-    global _onnx_export
-    if _onnx_export is None:
-        from . import onnx as module
-
-        _onnx_export = module
-    return True
-
-
-_onnx_export = None  # deform_conv.onnx, once an export has needed it
+    return onnx
 
 
 def _script_pair(value: IntPair) -> List[int]:

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Dict, Optional
 
 if TYPE_CHECKING:
-    from ._variant import Variant
+    from .variant import Variant
 
 import torch
 
-from . import _cache, _settings
-from ._errors import BuildError
+from . import cache as _cache, settings as _settings
+from .errors import BuildError
 
 
 def cxx_name() -> str:

@@ -1,19 +1,23 @@
 """The Python face of multi-scale deformable attention (Deformable DETR's op): the public function, the fake
-kernels, the autograd formula and the autocast rule, as ``_ops.py`` for deform_conv2d.
+kernels, the autograd formula and the autocast rule, as deform_conv2d's (``_ops/deform_conv2d/function.py``).
 
-Both ops are defined by the C++ library (csrc/ops.cpp); :func:`use_compiled_kernels` adds the Python parts once it is loaded.
+The op is defined by the C++ library (csrc/ops.cpp); :func:`use_compiled_kernels` adds the Python parts once it is
+loaded. Devices without compiled kernels (only with DEFORM_CONV_FALLBACK=reference) run the pure-PyTorch reference.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Set
 
 import torch
 from torch import Tensor
 
-from . import _ops
-from ._checks import check_ms_deform_attn_args
-from ._reference import ms_deform_attn_reference
+from ..shared.function import autocast_cast, autocast_inputs, in_onnx_export
+from .checks import check_ms_deform_attn_args
+from .reference import ms_deform_attn_reference
+
+# Device types ("cpu", "cuda") whose compiled kernels are loaded.
+_compiled_devices: Set[str] = set()
 
 
 def ms_deform_attn(
@@ -52,23 +56,31 @@ def ms_deform_attn(
                 ms_deform_attn, (value, spatial_shapes, level_start_index, sampling_locations, attention_weights),
                 value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step)
         if not torch.jit.is_tracing():
-            value, sampling_locations, attention_weights = _ops.autocast_inputs(
+            value, sampling_locations, attention_weights = autocast_inputs(
                 value, sampling_locations, attention_weights)
             # The level sizes are read (on CPU tensors) only in an eager call: under torch.compile and torch.export
             # their values are unknown, and the op's own checks apply.
             check_ms_deform_attn_args(value, spatial_shapes, level_start_index, sampling_locations,
                                       attention_weights, check_levels=not torch.compiler.is_compiling())
-            if _ops._in_onnx_export():
-                return _ops._onnx_export.ms_deform_attn_symbolic(
+            if in_onnx_export():
+                return _onnx_export().ms_deform_attn_symbolic(
                     value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-            if value.device.type not in _ops._compiled_devices:
+            if value.device.type not in _compiled_devices:
                 return ms_deform_attn_reference(value, spatial_shapes, level_start_index, sampling_locations,
                                                 attention_weights)
-        elif _ops._in_onnx_export():  # the TorchScript-based exporter traces the composition it exports
-            return _ops._onnx_export.ms_deform_attn_symbolic(
+        elif in_onnx_export():  # the TorchScript-based exporter traces the composition it exports
+            return _onnx_export().ms_deform_attn_symbolic(
                 value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     return torch.ops.deform_conv.ms_deform_attn(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+
+@torch.jit.unused
+def _onnx_export():
+    """This op's ONNX export (onnx.py), imported by the first call an export makes: it imports torch.onnx."""
+    from . import onnx
+
+    return onnx
 
 
 def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
@@ -110,13 +122,13 @@ def _no_double_backward(ctx, *grads):
 
 
 def _autocast_kernel(device_type: str):
-    """The op under autocast, as ``deform_conv2d`` (and ``conv2d``): _ops.autocast_cast's rule; the kernels
-    accumulate in float32."""
+    """The op under autocast, as ``deform_conv2d`` (and ``conv2d``): autocast_cast's rule (shared/function.py); the
+    kernels accumulate in float32."""
 
     def kernel(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
         dtype = torch.get_autocast_dtype(device_type)
         value, sampling_locations, attention_weights = (
-            _ops.autocast_cast(t, dtype) for t in (value, sampling_locations, attention_weights))
+            autocast_cast(t, dtype) for t in (value, sampling_locations, attention_weights))
         with torch.autocast(device_type, enabled=False):
             return torch.ops.deform_conv.ms_deform_attn(
                 value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
@@ -128,18 +140,18 @@ def _autocast_kernel(device_type: str):
 _autocast_library: Optional[torch.library.Library] = None
 
 
-def use_compiled_kernels() -> None:
+def use_compiled_kernels(devices: Set[str]) -> None:
     """Registers the fake kernels, the autograd formula and the autocast rule, once, after the CPU library (which
-    defines the schemas) is loaded. Which devices run compiled kernels is ``_ops._compiled_devices``."""
+    defines the schemas) is loaded, and routes calls on ``devices`` to the compiled kernels."""
     global _autocast_library
-    if _autocast_library is not None or "cpu" not in _ops._compiled_devices:
-        return
-    torch.library.register_fake("deform_conv::ms_deform_attn", _forward_fake)
-    torch.library.register_fake("deform_conv::ms_deform_attn_backward", _backward_fake)
-    torch.library.register_autograd("deform_conv::ms_deform_attn", _backward, setup_context=_setup_context)
-    torch.library.register_autograd(
-        "deform_conv::ms_deform_attn_backward", _no_double_backward, setup_context=lambda ctx, inputs, output: None
-    )
-    _autocast_library = torch.library.Library("deform_conv", "IMPL")
-    for device_type, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
-        _autocast_library.impl("ms_deform_attn", _autocast_kernel(device_type), key)
+    if "cpu" in devices and _autocast_library is None:
+        torch.library.register_fake("deform_conv::ms_deform_attn", _forward_fake)
+        torch.library.register_fake("deform_conv::ms_deform_attn_backward", _backward_fake)
+        torch.library.register_autograd("deform_conv::ms_deform_attn", _backward, setup_context=_setup_context)
+        torch.library.register_autograd(
+            "deform_conv::ms_deform_attn_backward", _no_double_backward, setup_context=lambda ctx, inputs, output: None
+        )
+        _autocast_library = torch.library.Library("deform_conv", "IMPL")
+        for device_type, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
+            _autocast_library.impl("ms_deform_attn", _autocast_kernel(device_type), key)
+    _compiled_devices.update(devices)

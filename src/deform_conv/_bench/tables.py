@@ -1,7 +1,7 @@
 """The benchmark's other tables (`deform-conv bench --threads 1,2,4`, `--dtype bfloat16`, `--gpu`), on the
-suite's cases, inputs and timing (_bench.py): thread scaling of ours and conv2d in fp32 (cpu_threads.md); ours
-in a half type against ours in fp32 and conv2d in that type, NCHW and channels_last (cpu_<dtype>.md); and S1-S5
-at batch 32 on the GPU in fp32 and bf16 (gpu.md)."""
+suite's cases, inputs and timing (cases.py, timing.py): thread scaling of ours and conv2d in fp32
+(cpu_threads.md); ours in a half type against ours in fp32 and conv2d in that type, NCHW and channels_last
+(cpu_<dtype>.md); and S1-S5 at batch 32 on the GPU in fp32 and bf16 (gpu.md)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._bench import (CASES, DTYPES, IMPLEMENTATIONS, PHASES, SCALING_CASES, SMOKE_CASES, Case, _document, _ms,
-                     _write, command_line, dtype_name, environment, interleaved_medians, make_call, make_inputs)
+from .cases import CASES, DTYPES, IMPLEMENTATIONS, PHASES, SCALING_CASES, SMOKE_CASES, Case, dtype_name, make_inputs
+from .environment import environment
+from .report import _document, _ms, _write, command_line
+from .timing import interleaved_medians, make_call
+
 
 def run_threads(cases: Sequence[Case], counts: Sequence[int], min_seconds: float = 1.0) -> List[dict]:
     """Thread-scaling rows: for each case and thread count (in the order given; none skipped here), fp32 forward

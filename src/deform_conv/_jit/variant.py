@@ -15,10 +15,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import _settings, _sources
-from ._version import __version__
+from . import settings as _settings, sources as _sources
+from .._version import __version__
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # deform_conv/, the folder above _jit/
 CSRC = PACKAGE_DIR / _sources.CSRC_DIR
 
 # <tag>-torch<version>-<environment hash>-<toolchain hash>, e.g. cpu-torch2.14.1_cu130-c2d32b4c387d-173d03c9

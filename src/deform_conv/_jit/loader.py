@@ -27,11 +27,11 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import _cache, _settings, _toolchain
-from ._cache import EntryState
-from ._errors import BuildError
-from ._progress import Elapsed, say
-from ._variant import PACKAGE_DIR, Variant, entry_name, entry_prefix, environment_inputs
+from . import cache as _cache, settings as _settings, toolchain as _toolchain
+from .cache import EntryState
+from .errors import BuildError
+from .progress import Elapsed, say
+from .variant import PACKAGE_DIR, Variant, entry_name, entry_prefix, environment_inputs
 
 PREBUILT = PACKAGE_DIR / "_prebuilt"  # libraries built at install time with DEFORM_CONV_AOT=1 (setup.py)
 
@@ -309,7 +309,7 @@ def _build_locked(variant: Variant, root: Path, load: bool) -> Union[LoadedLibra
 def _compile_into(variant: Variant, environment: Dict[str, object], tools: Dict[str, str], entry: Path,
                   private: Path) -> float:
     """Compiles into ``private`` and writes its key.json last; returns the compile's duration."""
-    from . import _compile
+    from . import compile as _compile
 
     cuda = f" / CUDA {torch.version.cuda}" if variant.kind == "cuda" else ""
     say(f"compiling the {variant.label} for torch {torch.__version__}{cuda} into {entry} "

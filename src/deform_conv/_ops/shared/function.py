@@ -1,0 +1,36 @@
+"""What both ops' Python faces (their ``function.py``) share: the autocast rule, and whether an ONNX export is
+running."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import Tensor
+
+
+def autocast_cast(t, dtype: torch.dtype):
+    """Both ops' autocast rule, as autocast treats ``conv2d``: a float32 or half tensor becomes ``dtype``; float64
+    tensors, integer tensors and anything that is not a tensor are left alone."""
+    if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+        return t.to(dtype)
+    return t
+
+
+@torch.jit.unused
+def autocast_inputs(*tensors):
+    """The tensors as the op's autocast kernel will cast them, where autocast is on for their device: so that the
+    checks, which want one dtype, see what the kernels will get. Under autocast the tensors of a layer often differ
+    (a Linear's bfloat16 output beside float32 locations or a float32 input)."""
+    first = next((t for t in tensors if isinstance(t, Tensor)), None)
+    if first is None or not torch.is_autocast_enabled(first.device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(first.device.type)
+    return tuple(autocast_cast(t, dtype) for t in tensors)
+
+
+@torch.jit.unused
+def in_onnx_export() -> bool:
+    """Whether torch.onnx.export is running. Never imports torch.onnx (~26 ms): an export has imported it."""
+    onnx = sys.modules.get("torch.onnx")
+    return onnx is not None and onnx.is_in_onnx_export()
