@@ -111,9 +111,9 @@ log[initcheck]=$OUT/sanitizer.log
 
 # The GPU's own tests first: pytest runs the files in this order, and a timeout then cuts the CPU-only ones. (The
 # CUDA simulation's tests run the same kernels on the CPU in every CI run; here they would only cost time.)
-tests=(tests/test_cuda.py tests/test_ms_deform_attn_cuda.py)
+tests=(tests/deform_conv2d/test_cuda.py tests/ms_deform_attn/test_ms_deform_attn_cuda.py)
 if [ "$mode" = full ]; then
-  tests+=(tests/test_correctness.py)
+  tests+=(tests/deform_conv2d/test_correctness.py)
 fi
 
 # The environment step's first lines name torch and the device, for the summary; then the doctor reports.

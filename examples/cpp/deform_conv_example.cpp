@@ -4,7 +4,7 @@
 //   deform_conv_example <library.so> <output.bin>
 //
 // The output file is the [B, C_out, H_out, W_out] result as raw little-endian float64, row-major, so a test
-// can compare it with the Python op on the same inputs (tests/test_cpp_example.py).
+// can compare it with the Python op on the same inputs (tests/integration/test_cpp_example.py).
 #include <dlfcn.h>
 
 #include <cstdint>
@@ -22,7 +22,7 @@
 namespace {
 
 // shift + scale * sin(freq * k + phase) for k = 0, 1, ... in row-major order. Deterministic on every machine,
-// unlike a random generator; tests/test_cpp_example.py rebuilds the same tensors with the same formula.
+// unlike a random generator; tests/integration/test_cpp_example.py rebuilds the same tensors with the same formula.
 at::Tensor wave(at::IntArrayRef shape, double freq, double phase, double scale, double shift = 0.0) {
   int64_t numel = 1;
   for (int64_t size : shape) numel *= size;

@@ -1,0 +1,324 @@
+"""bfloat16 and float16 on the CPU: the native forward (half columns, half GEMMs summing in float32, each stored
+value rounded once) where the CPU multiplies half types natively, and the float32 path everywhere else. The native
+path runs here on any CPU with DEFORM_CONV_CPU_HALF_GEMM=portable (its GEMMs on ATen's portable half GEMM, the
+same factors and layout but for oneDNN's packing); ONEDNN_MAX_CPU_ISA=AVX2 in a child process forces the
+fallback, as on a CPU without AMX or AVX512-BF16/FP16."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers.deform_conv2d import PROFILE, assert_half_close, half_gemm_path, make_case, reference_in_float32
+
+import deform_conv
+
+ours = deform_conv.deform_conv2d
+reference = deform_conv.deform_conv2d_reference
+HALF_TYPES = pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+PATH_VARIABLE = "DEFORM_CONV_CPU_HALF_GEMM"
+
+
+def path(dtype: torch.dtype) -> str:
+    return torch.ops.deform_conv.cpu_half_path(dtype)
+
+
+def native_here(dtype: torch.dtype) -> bool:
+    return "forward: native," in path(dtype)
+
+
+def halves(case, half):
+    return [t.to(half) for t in case.tensors()]
+
+
+def native_forward_tolerance(case, tensors, half) -> torch.Tensor:
+    """How far the native forward may lie from the exact result on the same (rounded) inputs, per element.
+    Each column value is the float32 sampling (relative error at most a few float32 units of A_i =
+    m * sum_q w_q |x_q|, the sampling of |x|) rounded to the half type (unit roundoff u): off by at most
+    (u + eps) A_i. The GEMM sums K products and the bias in float32 (at most gamma = (K + 2) 2**-24 of
+    S + |b|, S = sum_i A_i |w_i|: the reference on |x|, |w|, |m|), and the output is rounded once (u |y|).
+    float16's subnormals add at most 2**-25 per rounding. Hence
+    |y - exact| <= u |exact| + (u + (K + 20) 2**-24)(S + |b|)(1 + 2u) + (K + 1) 2**-25 max|w| + 2**-24."""
+    wide = [t.double() for t in tensors]
+    k = case.weight.shape[1] * case.weight.shape[2] * case.weight.shape[3]
+    u = torch.finfo(half).eps / 2
+    it = iter(wide)
+    x, offset, w = next(it), next(it), next(it)
+    b = next(it) if case.bias is not None else None
+    m = next(it) if case.mask is not None else None
+    exact = reference(x, offset, w, b, case.stride, case.padding, case.dilation, m)
+    s = reference(x.abs(), offset, w.abs(), None, case.stride, case.padding, case.dilation,
+                  None if m is None else m.abs())
+    if b is not None:
+        s = s + b.abs().view(1, -1, 1, 1)
+    subnormal = (k + 1) * 2**-25 * w.abs().max().item() + 2**-24 if half == torch.float16 else 0.0
+    return exact, u * exact.abs() + (u + (k + 20) * 2**-24) * s * (1 + 2 * u) + subnormal
+
+
+def assert_native_forward_close(case, half, tensors=None):
+    tensors = tensors if tensors is not None else halves(case, half)
+    got = case.call(ours, tensors)
+    assert got.dtype == half
+    exact, tolerance = native_forward_tolerance(case, halves(case, half), half)
+    error = (got.double() - exact).abs()
+    assert torch.isfinite(got).all()
+    assert (error <= tolerance).all(), f"worst excess {(error - tolerance).max().item():.3g}"
+    return got
+
+
+def float32_rounded(case, tensors, half):
+    return case.call(ours, [t.float() for t in tensors]).to(half)
+
+
+# Shapes that reach every part of the native path: one image per thread and fewer images than threads (the input
+# turned per thread, or up front), panels of 64 output channels and a narrower last one (packed to a width of
+# 16), depth blocks of 512 rows (taps * C_in/G = 576; in the backward 400 pixels and more), many tiles per image,
+# odd depths, weight and offset groups that do not nest, stride, dilation, no mask, no bias.
+NATIVE_SHAPES = {
+    "awkward": dict(),
+    "one_image": dict(batch=1, in_channels=8, out_channels=6, groups=2, offset_groups=2, size=(12, 9)),
+    "panels_depth_blocks": dict(batch=3, in_channels=64, out_channels=90, groups=1, offset_groups=4, size=(9, 10),
+                                kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1)),
+    "many_tiles": dict(batch=2, in_channels=32, out_channels=20, groups=1, offset_groups=1, size=(24, 25),
+                       kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1)),
+    # 5x7 output pixels and 3 output channels per group: odd depths in both backward GEMMs, padded to pairs.
+    "odd_depths": dict(in_channels=6, out_channels=6, size=(11, 8)),
+    "no_mask_no_bias": dict(batch=2, in_channels=12, out_channels=10, groups=2, offset_groups=4, with_mask=False,
+                            with_bias=False),
+}
+
+
+@HALF_TYPES
+def test_path_names_the_choice(half, monkeypatch):
+    name = "bfloat16" if half == torch.bfloat16 else "float16"
+    auto = path(half)
+    assert auto.startswith(name) and (native_here(half) or "computed in float32 (no native" in auto), auto
+    monkeypatch.setenv(PATH_VARIABLE, "float32")
+    assert path(half) == f"{name}: computed in float32 ({PATH_VARIABLE}=float32)"
+    monkeypatch.setenv(PATH_VARIABLE, "portable")
+    assert "portable GEMM" in path(half)
+    monkeypatch.setenv(PATH_VARIABLE, "fast")
+    with pytest.raises(RuntimeError, match=f"{PATH_VARIABLE} must be auto, float32 or portable, got 'fast'"):
+        path(half)
+    with pytest.raises(RuntimeError, match=f"{PATH_VARIABLE} must be auto, float32 or portable, got 'fast'"):
+        case = make_case(torch.float32)
+        case.call(ours, halves(case, half))
+
+
+def test_path_refuses_other_dtypes():
+    with pytest.raises(RuntimeError, match="dtype must be torch.bfloat16 or torch.float16, got Float"):
+        path(torch.float32)
+
+
+@HALF_TYPES
+@pytest.mark.parametrize("shape", list(NATIVE_SHAPES))
+def test_native_forward_within_the_half_rounding(half, shape):
+    case = make_case(torch.float32, **NATIVE_SHAPES[shape])
+    tensors = halves(case, half)
+    with half_gemm_path("portable"):
+        got = assert_native_forward_close(case, half, tensors)
+    # The native path ran: its columns are rounded to the half type, so its sums differ from the float32 path's.
+    assert not torch.equal(got, float32_rounded(case, tensors, half))
+
+
+@HALF_TYPES
+@pytest.mark.parametrize("layout", ["channels_last", "strided"])
+def test_native_forward_takes_any_layout(half, layout):
+    case = make_case(torch.float32, **NATIVE_SHAPES["panels_depth_blocks"])
+    tensors = halves(case, half)
+    x = tensors[0]
+    tensors[0] = (x.contiguous(memory_format=torch.channels_last) if layout == "channels_last"
+                  else torch.stack((x, x), dim=-1)[..., 1])
+    with half_gemm_path("portable"):
+        got = case.call(ours, tensors)
+        assert torch.equal(got, case.call(ours, halves(case, half)))
+
+
+@HALF_TYPES
+def test_native_forward_is_the_same_on_any_thread_count(half):
+    case = make_case(torch.float32, **NATIVE_SHAPES["many_tiles"])
+    threads = torch.get_num_threads()
+    try:
+        with half_gemm_path("portable"):
+            torch.set_num_threads(1)
+            one = case.call(ours, halves(case, half))
+            torch.set_num_threads(2)
+            two = case.call(ours, halves(case, half))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@HALF_TYPES
+def test_depthwise_layers_run_in_float32(half):
+    """Depthwise layers have no GEMM: the float32 path, bit for bit, on the native path too."""
+    case = make_case(torch.float32, in_channels=6, out_channels=6, groups=6, offset_groups=3)
+    tensors = halves(case, half)
+    with half_gemm_path("portable"):
+        assert torch.equal(case.call(ours, tensors), float32_rounded(case, tensors, half))
+
+
+@HALF_TYPES
+@pytest.mark.parametrize("kwargs", [dict(in_channels=3, out_channels=4, groups=1, offset_groups=3, kernel=(3, 3)),
+                                    dict(batch=1, in_channels=320, out_channels=8, groups=1, offset_groups=2,
+                                         kernel=(3, 3), size=(5, 6), padding=(1, 1), stride=(1, 1), dilation=(1, 1))],
+                         ids=["odd_depth", "tiles_over_512KiB"])
+def test_native_forward_on_the_driver(half, kwargs):
+    """Layers the tiled path does not take -- an odd taps * C_in/groups (27 here: the tiled path packs the
+    weight's depth in pairs), or 32 pixels of columns over 512 KiB (9 * 320 columns, 6 + 4 bytes each: 0.9 MiB)
+    -- run the driver's columns through the half type's convolution: within the same rounding."""
+    case = make_case(torch.float32, **kwargs)
+    tensors = halves(case, half)
+    with half_gemm_path("portable"):
+        got = assert_native_forward_close(case, half, tensors)
+    assert not torch.equal(got, float32_rounded(case, tensors, half))
+
+
+def native_grad_weight_tolerance(case, tensors, grad_output, half):
+    """The weight's gradient on the native path sums, in float32, grad_output (exact in the half type) times the
+    columns rounded to the half type: as for the forward, |g - exact| <= u |exact| + (u + (N + 20) 2**-24) S
+    (1 + 2u), N the terms per sum (images * pixels), S the same gradient of the reference on |x|, |m| with
+    |grad_output| (and no bias), plus float16's subnormals."""
+    wide = [t.double().detach().requires_grad_() for t in tensors]
+    exact = torch.autograd.grad(case.call(reference, wide), wide[2], grad_output.double())[0]
+    absolute = [t.double().detach() for t in tensors]
+    absolute[0] = absolute[0].abs()
+    if case.mask is not None:
+        absolute[-1] = absolute[-1].abs()
+    if case.bias is not None:
+        absolute[3] = torch.zeros_like(absolute[3])
+    absolute = [t.requires_grad_() for t in absolute]
+    s = torch.autograd.grad(case.call(reference, absolute), absolute[2], grad_output.double().abs())[0]
+    u = torch.finfo(half).eps / 2
+    terms = case.input.shape[0] * grad_output.shape[2] * grad_output.shape[3]
+    subnormal = ((terms + 1) * 2**-25 * grad_output.double().abs().max().item() + 2**-24
+                 if half == torch.float16 else 0.0)
+    return exact, u * exact.abs() + (u + (terms + 20) * 2**-24) * s * (1 + 2 * u) + subnormal
+
+
+@HALF_TYPES
+@pytest.mark.parametrize("shape", ["awkward", "panels_depth_blocks", "odd_depths", "many_tiles"])
+def test_gradients_on_the_native_path(half, shape):
+    """Every gradient on the native path: the weight's within the columns' rounding (native_grad_weight_tolerance);
+    input, offset, bias and mask from sums of exact half products in float32, so within float32's tolerance of the
+    float32 reference plus one half unit (test_properties.assert_half_close). On the float32 path each gradient is
+    the float32 one rounded, bit for bit."""
+    case = make_case(torch.float32, **NATIVE_SHAPES[shape])
+    tensors = halves(case, half)
+    out_shape = case.call(ours, tensors).shape
+    grad_output = torch.randn(out_shape, generator=torch.Generator().manual_seed(3)).to(half)
+
+    def grads(fn, ts, g):
+        leaves = [t.detach().clone().requires_grad_() for t in ts]
+        return list(torch.autograd.grad(case.call(fn, leaves), leaves, g))
+
+    with half_gemm_path("portable"):
+        native = grads(ours, tensors, grad_output)
+    expected_weight, tolerance = native_grad_weight_tolerance(case, tensors, grad_output, half)
+    error = (native[2].double() - expected_weight).abs()
+    assert (error <= tolerance).all(), f"worst excess {(error - tolerance).max().item():.3g}"
+    in_float32 = grads(reference_in_float32, tensors, grad_output)
+    others = [0, 1, 3, 4]  # input, offset, bias, mask
+    assert_half_close([native[i] for i in others], [in_float32[i] for i in others], half, same_nan=True)
+    with half_gemm_path("float32"):
+        rounded = [g.to(half) for g in grads(ours, [t.float() for t in tensors], grad_output.float())]
+        for i, (g, e) in enumerate(zip(grads(ours, tensors, grad_output), rounded)):
+            assert torch.equal(g, e), i
+    # The native path ran: the weight's gradient sums rounded columns.
+    assert not torch.equal(native[2], rounded[2])
+
+
+@HALF_TYPES
+def test_native_forward_propagates_nan(half):
+    case = make_case(torch.float32, **NATIVE_SHAPES["one_image"])
+    tensors = halves(case, half)
+    # One point's dy (offset group 0: channels 0-3, weight group 0): NaN in that group's output channels there.
+    tensors[1][0, 0, 2, 3] = float("nan")
+    tensors[0][0, 1, 0, 0] = float("inf")  # an infinite input pixel
+    with half_gemm_path("portable"):
+        got = case.call(ours, tensors)
+    expected = float32_rounded(case, tensors, half)
+    assert torch.equal(torch.isnan(got), torch.isnan(expected))
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    assert torch.isnan(got[0, :3, 2, 3]).all() and not torch.isnan(got[0, 3:, 2, 3]).any()
+
+
+@settings(PROFILE, max_examples=max(1, PROFILE.max_examples // 8))
+@given(half=st.sampled_from([torch.bfloat16, torch.float16]), batch=st.integers(1, 4),
+       per_group=st.integers(1, 12), groups=st.integers(1, 3), out_per_group=st.integers(1, 70),
+       offset_groups=st.sampled_from([1, 2, 3]), kernel=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       stride=st.tuples(st.integers(1, 2), st.integers(1, 2)), size=st.tuples(st.integers(3, 12), st.integers(3, 12)),
+       with_mask=st.booleans(), with_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_native_forward_property(half, batch, per_group, groups, out_per_group, offset_groups, kernel, stride, size,
+                                 with_mask, with_bias, seed):
+    """Random geometry on the native path: within the half rounding of the exact result, wherever it applies
+    (elsewhere the float32 path's bits)."""
+    in_channels = per_group * groups * offset_groups
+    case = make_case(torch.float32, batch=batch, in_channels=in_channels, out_channels=out_per_group * groups,
+                     groups=groups, offset_groups=offset_groups, kernel=kernel, stride=stride, padding=(1, 1),
+                     dilation=(1, 1), size=size, with_mask=with_mask, with_bias=with_bias, seed=seed)
+    with half_gemm_path("portable"):
+        assert_native_forward_close(case, half)
+
+
+CHILD = """
+import json, sys, torch
+import deform_conv
+sys.path.insert(0, {tests!r})
+from helpers.deform_conv2d import half_gemm_path, make_case
+case = make_case(torch.float32, **json.loads(sys.argv[1]))
+result = {{}}
+for name, half in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+    tensors = [t.to(half) for t in case.tensors()]
+    got = case.call(deform_conv.deform_conv2d, tensors)
+    widened = case.call(deform_conv.deform_conv2d, [t.float() for t in tensors]).to(half)
+    result[name] = dict(path=torch.ops.deform_conv.cpu_half_path(half), float32_bits=torch.equal(got, widened))
+print(json.dumps(result))
+"""
+
+
+def test_onednn_limited_to_avx2_forces_the_float32_path():
+    """ONEDNN_MAX_CPU_ISA=AVX2 (set before oneDNN starts, so in a child): no native half GEMM, whatever the CPU
+    has, and the half types' forward is the float32 one rounded, bit for bit."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    env.pop(PATH_VARIABLE, None)
+    shape = json.dumps(NATIVE_SHAPES["panels_depth_blocks"])
+    child = subprocess.run([sys.executable, "-c", CHILD.format(tests=str(Path(__file__).resolve().parents[1])), shape],
+                           capture_output=True, text=True, timeout=600, env=env)
+    assert child.returncode == 0, child.stderr[-3000:]
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    for name in ("bf16", "fp16"):
+        assert "computed in float32 (no native" in result[name]["path"], result
+        assert result[name]["float32_bits"], result
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch.backends.mkldnn.flags sets it
+@HALF_TYPES
+def test_onednn_off_takes_the_float32_path(half):
+    case = make_case(torch.float32, **NATIVE_SHAPES["panels_depth_blocks"])
+    tensors = halves(case, half)
+    with torch.backends.mkldnn.flags(enabled=False), half_gemm_path("auto"):
+        assert "computed in float32" in path(half)
+        assert torch.equal(case.call(ours, tensors), float32_rounded(case, tensors, half))
+
+
+@HALF_TYPES
+def test_the_default_path_is_what_the_op_says(half):
+    """Where the CPU multiplies half types natively, the default forward is the native one; elsewhere the
+    float32 one rounded, bit for bit."""
+    case = make_case(torch.float32, **NATIVE_SHAPES["panels_depth_blocks"])
+    tensors = halves(case, half)
+    with half_gemm_path("auto"):
+        if native_here(half):
+            got = assert_native_forward_close(case, half, tensors)
+            assert not torch.equal(got, float32_rounded(case, tensors, half))
+        else:
+            assert torch.equal(case.call(ours, tensors), float32_rounded(case, tensors, half))
