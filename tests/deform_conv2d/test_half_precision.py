@@ -32,7 +32,8 @@ def path(dtype: torch.dtype) -> str:
 
 
 def native_here(dtype: torch.dtype) -> bool:
-    return "forward: native," in path(dtype)
+    """Whether this CPU takes the native half path (cpu_half_path says "<dtype>: native, ..." there)."""
+    return path(dtype).startswith(f"{str(dtype).removeprefix('torch.')}: native,")
 
 
 def halves(case, half):
