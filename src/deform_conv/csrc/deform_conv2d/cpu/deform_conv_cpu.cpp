@@ -84,9 +84,9 @@ std::optional<at::Tensor> narrowed(const std::optional<at::Tensor>& t, at::Scala
 }  // namespace
 
 at::Tensor deform_conv2d_forward(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
-                   const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
-                   at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
-                   c10::string_view border_gradient) {
+                                 const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
+                                 at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
+                                 c10::string_view border_gradient) {
   follow_torch_thread_count();
   const ConvParams p = make_conv_params(input, offset, weight, mask, bias, stride, padding, dilation, border_gradient);
   if (is_half_type(input)) {
@@ -104,7 +104,8 @@ at::Tensor deform_conv2d_forward(const at::Tensor& input, const at::Tensor& offs
   return forward_with(kPasses, p, input, offset, weight, mask, bias);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> deform_conv2d_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>>
+deform_conv2d_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
     const std::optional<at::Tensor>& mask, at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
     bool bias_defined, c10::string_view border_gradient) {

@@ -229,8 +229,9 @@ void backward_all(const AttentionParams& p, const std::vector<Level>& levels, co
 
 }  // namespace
 
-at::Tensor ms_deform_attn_forward(const at::Tensor& value, const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
-                   const at::Tensor& sampling_locations, const at::Tensor& attention_weights) {
+at::Tensor ms_deform_attn_forward(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                                  const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+                                  const at::Tensor& attention_weights) {
   follow_torch_thread_count();
   const AttentionParams p =
       make_attention_params(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
