@@ -80,9 +80,10 @@ def check() -> int:
     print(f"  compiler   {_toolchain.identify(cxx, _loader.cache_root() / _cache.TOOLCHAINS_FILE) if cxx else 'none found'}")
     print(f"  cache      {_loader.cache_root()}")
     for lib in deform_conv.libraries:
-        how = f"loaded from the cache in {lib.load_seconds * 1e3:.1f} ms" if lib.from_cache else "built now"
+        how = (f"loaded from the cache in {lib.load_seconds * 1e3:.1f} ms" if lib.from_cache
+               else f"built now in {lib.build_seconds:.1f} s")
         key = _cache.inspect_entry(lib.entry, hash_library=False).key
-        built = f" ({_doctor.build_summary(key)})" if key is not None and "unit_seconds" in key else ""
+        built = f" ({_doctor.build_summary(key, lib.from_cache)})" if key is not None else ""
         print(f"  {lib.variant.kind:10s} {lib.entry.name}: {how}{built}")
 
     if "cpu" not in {lib.variant.kind for lib in deform_conv.libraries}:

@@ -39,17 +39,17 @@ def half_precision_paths() -> str:
     return "; ".join(torch.ops.deform_conv.cpu_half_path(dtype) for dtype in (torch.bfloat16, torch.float16))
 
 
-def build_summary(key: dict, slowest: int = 3) -> str:
+def build_summary(key: dict, with_total: bool = True, slowest: int = 3) -> str:
     """How long the entry's build took and its slowest units, from its key (what the build measured with ninja's
     log), e.g. "built in 17.3 s; slowest units: deform_conv2d_cpu_sampling 9.8 s, ms_deform_attn_cpu 6.1 s, ..."."""
     units = sorted(((name, seconds) for name, seconds in key.get("unit_seconds", {}).items()
                     if not name.endswith(".so")), key=lambda unit: -unit[1])
-    text = f"built in {key['build_seconds']:.1f} s"
+    parts = [f"built in {key['build_seconds']:.1f} s"] if with_total else []
     if key.get("reused_units"):
-        text += f", reusing {len(key['reused_units'])} units of an earlier build"
+        parts.append(f"reusing {len(key['reused_units'])} units of an earlier build")
     if units:
-        text += "; slowest units: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in units[:slowest])
-    return text
+        parts.append("slowest units: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in units[:slowest]))
+    return "; ".join(parts)
 
 
 def doctor() -> int:
