@@ -136,7 +136,10 @@ def build(cuda_arch: Optional[str], cpu_only: bool) -> int:
     if archs:
         variants.append(_variant.Variant("cuda", archs))
     root = _loader.cache_root()
+    failed = _loader.build_concurrently(tuple(variants))  # CPU and CUDA compiles overlap
     for variant in variants:
+        if variant in failed:
+            raise failed[variant]
         found, _skipped = _loader.find_entry(variant, root, _variant.environment_inputs(variant), any_toolchain=False)
         entry = found.path if found else _loader.build(variant, root, load=False)
         print(f"{variant.label}: {entry}{' (already built)' if found else ''}")
