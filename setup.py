@@ -40,8 +40,11 @@ def aot_setup_args() -> dict:
         os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs)
 
     extensions = []
+    units = HERE / "build" / "deform_conv_units"  # the generated translation units (_sources.write_units)
+    units.mkdir(parents=True, exist_ok=True)
     for variant in variants:
-        sources = [str((PACKAGE / _sources.CSRC_DIR / s).relative_to(HERE)) for s in variant.sources]
+        written = _sources.write_units(variant.kind, str(_variant.CSRC), str(units))
+        sources = [str(Path(path).relative_to(HERE)) for path in written]
         cxx_version = _toolchain.identify(_toolchain.find_cxx(), None)
         args = dict(extra_compile_args={"cxx": list(_sources.CXX_FLAGS), "nvcc": list(_sources.NVCC_FLAGS)},
                     extra_link_args=_compile.link_flags(variant, cxx_version))

@@ -25,8 +25,12 @@ def _load_libraries() -> _Tuple[LoadedLibrary, ...]:
     _settings.validate_all()
     fallback = _settings.fallback_to_reference()
     loaded = []
-    for variant in _variant.wanted_variants():
+    variants = _variant.wanted_variants()
+    failed = _loader.build_concurrently(variants)  # the CPU and CUDA compiles overlap when both are needed
+    for variant in variants:
         try:
+            if variant in failed:
+                raise failed[variant]
             loaded.append(_loader.load(variant))
         except BuildError as error:
             if not fallback:

@@ -83,7 +83,9 @@ def check() -> int:
     for lib in deform_conv.libraries:
         how = (f"loaded from the cache in {lib.load_seconds * 1e3:.1f} ms" if lib.from_cache
                else f"built now in {lib.build_seconds:.1f} s")
-        print(f"  {lib.variant.kind:10s} {lib.entry.name}: {how}")
+        key = _cache.inspect_entry(lib.entry, hash_library=False).key
+        built = f" ({_doctor.build_summary(key, lib.from_cache)})" if key is not None else ""
+        print(f"  {lib.variant.kind:10s} {lib.entry.name}: {how}{built}")
 
     if "cpu" not in {lib.variant.kind for lib in deform_conv.libraries}:
         print("FAILED: no compiled CPU kernels are loaded (DEFORM_CONV_FALLBACK=reference runs the reference)")
@@ -135,7 +137,10 @@ def build(cuda_arch: Optional[str], cpu_only: bool) -> int:
     if archs:
         variants.append(_variant.Variant("cuda", archs))
     root = _loader.cache_root()
+    failed = _loader.build_concurrently(tuple(variants))  # CPU and CUDA compiles overlap
     for variant in variants:
+        if variant in failed:
+            raise failed[variant]
         found, _skipped = _loader.find_entry(variant, root, _variant.environment_inputs(variant), any_toolchain=False)
         entry = found.path if found else _loader.build(variant, root, load=False)
         print(f"{variant.label}: {entry}{' (already built)' if found else ''}")

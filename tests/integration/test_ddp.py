@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from helpers import ddp_worker
-from helpers.loader import child_env, compile_lines
+from helpers.loader import child_env, compile_lines, fast_compiler
 
 WORLD_SIZE = 2
 WORKER = Path(ddp_worker.__file__).resolve()
@@ -29,8 +29,11 @@ def _free_port() -> int:
 def test_two_ddp_ranks_compile_once_and_train_like_one_process(tmp_path):
     cache = tmp_path / "cache"  # empty: one of the ranks must compile
     # The ranks train on the CPU (gloo); DEFORM_CONV_CUDA=0 keeps a GPU machine from also compiling CUDA kernels.
+    # What is tested is that the ranks compile once between them and then train alike, not the compiler: the
+    # compile reuses this session's objects (fast_compiler), the rest of the build (ninja, link, key, publishing
+    # under the lock) runs as for a user.
     env = child_env(cache, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
-                    DEFORM_CONV_CUDA="0")
+                    DEFORM_CONV_CUDA="0", CXX=str(fast_compiler(tmp_path / "tools")))
     ranks = [
         subprocess.Popen([sys.executable, str(WORKER), str(rank), str(WORLD_SIZE), str(tmp_path)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)

@@ -28,6 +28,7 @@ def test_entry_name_changes_with_every_key_input(kind):
         "variant": "other",
         "package_version": "9.9.9",
         "sources_sha256": "0" * 64,
+        "units": {"all": ["ops.cpp"]},
         "cxx_flags": ["-O2"],
         "ld_flags": [],
         "torch_version": "2.99.0",

@@ -329,12 +329,12 @@ def test_cross_compiled_aarch64_library_needs_the_wheels_openmp_runtime(tmp_path
              "-isystem", str(include), "-isystem", str(include / "torch" / "csrc" / "api" / "include"),
              "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=deform_conv_cpu_aarch64",
              f"-D_GLIBCXX_USE_CXX11_ABI={wheel_cxx11_abi(root)}"]
-    sources = [_variant.CSRC / s for s in _sources.CPU_SOURCES]
-    objects = [tmp_path / (s.replace("/", "_") + ".o") for s in _sources.CPU_SOURCES]
+    sources = [Path(s) for s in _sources.write_units("cpu", str(_variant.CSRC), str(tmp_path))]
+    objects = [tmp_path / (s.stem + ".o") for s in sources]
 
     def compile_one(source: Path, obj: Path) -> Optional[str]:
         done = subprocess.run([cxx, *flags, "-c", str(source), "-o", str(obj)], capture_output=True, text=True)
-        return None if done.returncode == 0 else f"{source.relative_to(_variant.CSRC)}:\n{done.stderr[-6000:]}"
+        return None if done.returncode == 0 else f"{source.name}:\n{done.stderr[-6000:]}"
 
     started = time.perf_counter()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -32,7 +32,7 @@ import shutil
 import stat
 import time
 from pathlib import Path
-from typing import BinaryIO, Dict, Iterator, List, Optional, Tuple
+from typing import BinaryIO, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from .variant import ENTRY_NAME
 
@@ -43,7 +43,8 @@ STALE_BUILD_SECONDS = 12 * 3600  # a private build directory untouched this long
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # key.json's fields and their types, exactly: anything else is not a key this package wrote.
 _CACHE_KEY_FIELDS = {"environment": dict, "toolchain": dict, "toolchain_fingerprints": dict, "library": str,
-                     "library_sha256": str, "build_seconds": (int, float)}
+                     "library_sha256": str, "build_seconds": (int, float), "unit_seconds": dict,
+                     "reused_units": list, "unit_sha256": dict}
 _BUNDLED_KEY_FIELDS = {"environment": dict, "toolchain": dict, "library": str, "library_sha256": str}
 
 
@@ -352,6 +353,39 @@ def discard(path: Path, root: Path) -> None:
     except FileNotFoundError:
         pass
     shutil.rmtree(trash, ignore_errors=True)
+
+
+# ninja's records of how and when each output of a build was made (kept in the entry).
+NINJA_RECORDS = (".ninja_log", ".ninja_deps")
+# The libraries' generated translation units (_sources.write_units), named by their content.
+UNITS_DIR = ".units"
+
+
+def seed_build(entry: Path, private: Path, unit_files: Iterable[str]) -> List[str]:
+    """Copies into ``private`` (a fresh build directory of ours) the objects of the units ``unit_files`` (their
+    file names) from ``entry`` -- a trusted entry of the same variant, flags, torch and toolchain whose key shows
+    these units unchanged (_variant.unit_sha256) -- with ninja's records, keeping their mtimes: ninja then compiles
+    only the other units (and any whose sources look newer than their object). Each file is read as the library is
+    (a regular file of ours or root's that no one else may write, never through a symlink) and written anew, never
+    through anything already there. Returns the file names of the units whose object was copied."""
+    wanted = set(NINJA_RECORDS)
+    for unit_file in unit_files:
+        stem = unit_file.rsplit(".", 1)[0]
+        wanted |= {f"{stem}.o", f"{stem}.cuda.o"}
+    copied = []
+    for path in sorted(entry.iterdir()):
+        if path.name not in wanted:
+            continue
+        f, _problem, _untrusted = _open_trusted(path, "a file of the earlier build")
+        if f is None:
+            continue  # not ours to reuse: that unit is compiled afresh
+        with f:
+            st = os.fstat(f.fileno())
+            write_new_file(private / path.name, f.read())
+        os.utime(private / path.name, ns=(st.st_atime_ns, st.st_mtime_ns))
+        if path.suffix == ".o":
+            copied.append(path.name.split(".")[0])
+    return [f for f in unit_files if f.rsplit(".", 1)[0] in copied]
 
 
 def harden(directory: Path) -> None:

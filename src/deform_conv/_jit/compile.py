@@ -18,14 +18,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Set
 
 import torch
 
-from . import settings as _settings, sources as _sources, toolchain as _toolchain
+from . import cache as _cache, settings as _settings, sources as _sources, toolchain as _toolchain
 from .errors import BuildError
 from .progress import Elapsed
-from .variant import CSRC, Variant
+from .variant import CSRC, Variant, unit_of
 
 # Runs in the child: cpp_extension.load always loads what it built, and the importer must load only the published
 # library (and a CLI prebuild for other GPU archs must not load at all).
@@ -60,6 +60,13 @@ except Exception as exc:
 """
 
 LOG_FILE = "build.log"
+NINJA_LOG = ".ninja_log"
+
+
+def library_name(variant: Variant) -> str:
+    """The library's name in its build: the same for every build of a kind, so that the compile commands (which
+    carry it) stay the same and an incremental build recompiles only what changed."""
+    return f"deform_conv_{variant.kind}"
 
 
 def _build_environment(variant: Variant) -> Dict[str, str]:
@@ -86,14 +93,18 @@ def link_flags(variant: Variant, cxx_version: str) -> List[str]:
     return flags
 
 
-def run(variant: Variant, name: str, directory: Path, tools: Dict[str, str]) -> None:
-    """Compiles ``variant`` into ``directory`` (a private directory of ours) with the compiler whose version line
-    is ``tools["cxx"]``; the compiler's output goes to ``directory/build.log`` (and to the terminal with
+def run(variant: Variant, directory: Path, tools: Dict[str, str], show_progress: bool = True) -> None:
+    """Compiles ``variant`` into ``directory`` (a private directory of ours, possibly seeded with an earlier build's
+    objects: ninja then recompiles only the units whose sources changed) with the compiler whose version line is
+    ``tools["cxx"]``; the compiler's output goes to ``directory/build.log`` (and to the terminal with
     DEFORM_CONV_VERBOSE=1). Raises CompileFailed when the compile fails (:func:`failure` makes the message)."""
     verbose = _settings.verbose()
     args = dict(
-        name=name,
-        sources=[str(CSRC / s) for s in variant.sources],
+        name=library_name(variant),
+        # In a directory of their own beside the entries: the compile commands name them, so their paths must not
+        # change from one build to the next (an incremental build recompiles a unit whose command changed).
+        sources=_sources.write_units(variant.kind, str(CSRC), str(_cache.own_directory(directory.parent,
+                                                                                        _cache.UNITS_DIR))),
         extra_cflags=list(variant.cxx_flags),
         extra_ldflags=link_flags(variant, tools["cxx"]),
         build_directory=str(directory),
@@ -109,7 +120,7 @@ def run(variant: Variant, name: str, directory: Path, tools: Dict[str, str]) -> 
     # watchdog then sees only the death of both; the interrupt path below does not depend on it.
     watchdog_read, watchdog_write = os.pipe()
     command = [sys.executable, "-c", _CHILD, json.dumps(args), str(watchdog_read)]
-    with os.fdopen(log_fd, "w") as log, Elapsed(f"compiling the {variant.label}", quiet=verbose):
+    with os.fdopen(log_fd, "w") as log, Elapsed(f"compiling the {variant.label}", quiet=verbose or not show_progress):
         try:
             try:
                 child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -117,6 +128,7 @@ def run(variant: Variant, name: str, directory: Path, tools: Dict[str, str]) -> 
                                          pass_fds=(watchdog_read,))
             finally:
                 os.close(watchdog_read)
+            _running.add(child)
             try:
                 assert child.stdout is not None
                 for line in child.stdout:
@@ -127,10 +139,46 @@ def run(variant: Variant, name: str, directory: Path, tools: Dict[str, str]) -> 
             except BaseException:  # KeyboardInterrupt above all: the compile must not run on without us
                 _kill_group(child)
                 raise
+            finally:
+                _running.discard(child)
         finally:
             os.close(watchdog_write)
     if returncode != 0:
         raise CompileFailed(returncode, int(env["MAX_JOBS"]))
+
+
+def unit_seconds(directory: Path, since: float) -> Dict[str, float]:
+    """{unit or library file: seconds} of what the build in ``directory`` that started at ``since`` (time.time())
+    compiled and linked, slowest first, from ninja's log (start and end in ms, one line per output, the last one
+    winning). Outputs older than ``since`` came from an earlier build and are left out."""
+    took: Dict[str, float] = {}
+    try:
+        lines = (directory / NINJA_LOG).read_text().splitlines()
+    except OSError:
+        return took
+    for line in lines:
+        fields = line.split("\t")
+        if line.startswith("#") or len(fields) < 4 or not fields[0].isdigit() or not fields[1].isdigit():
+            continue
+        try:
+            fresh = os.lstat(directory / fields[3]).st_mtime >= since - 1.0  # (file systems' coarse clocks)
+        except OSError:
+            continue
+        if fresh:
+            name = unit_of(fields[3]) if fields[3].endswith(".o") else fields[3]
+            took[name] = (int(fields[1]) - int(fields[0])) / 1000.0
+    return dict(sorted(took.items(), key=lambda item: -item[1]))
+
+
+# The compiles running now, in any thread (loader.build_concurrently runs two at once).
+_running: Set[subprocess.Popen] = set()
+
+
+def stop_all() -> None:
+    """Stops every compile this process runs: an interrupt reaches only the main thread, while the compiles that
+    build_concurrently runs are watched by other threads (which then see them fail)."""
+    for child in list(_running):
+        _kill_group(child)
 
 
 def _kill_group(child: subprocess.Popen) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 from typing import List
@@ -36,6 +37,19 @@ def half_precision_paths() -> str:
     (torch.ops.deform_conv.cpu_half_path): native where the CPU has AMX or AVX512-BF16/FP16 and oneDNN runs them,
     float32 otherwise."""
     return "; ".join(torch.ops.deform_conv.cpu_half_path(dtype) for dtype in (torch.bfloat16, torch.float16))
+
+
+def build_summary(key: dict, with_total: bool = True, slowest: int = 3) -> str:
+    """How long the entry's build took and its slowest units, from its key (what the build measured with ninja's
+    log), e.g. "built in 17.3 s; slowest units: deform_conv2d_cpu_sampling 9.8 s, ms_deform_attn_cpu 6.1 s, ..."."""
+    units = sorted(((name, seconds) for name, seconds in key.get("unit_seconds", {}).items()
+                    if not name.endswith(".so")), key=lambda unit: -unit[1])
+    parts = [f"built in {key['build_seconds']:.1f} s"] if with_total else []
+    if key.get("reused_units"):
+        parts.append(f"reusing {len(key['reused_units'])} units of an earlier build")
+    if units:
+        parts.append("slowest units: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in units[:slowest]))
+    return "; ".join(parts)
 
 
 def doctor() -> int:
@@ -112,7 +126,8 @@ def doctor() -> int:
         if prebuilt.usable:
             print(f"  {variant.kind:12s} bundled at install time ({_loader.PREBUILT})")
         elif found:
-            print(f"  {variant.kind:12s} built: {found.path.name}")
+            assert found.key is not None
+            print(f"  {variant.kind:12s} built: {found.path.name} ({build_summary(found.key)})")
         if variant.kind == "cpu" and (prebuilt.usable or found):
             try:  # the library itself knows what it was compiled with; loading it runs no compiler
                 _loader._load(variant, prebuilt if prebuilt.usable else found)
@@ -136,6 +151,9 @@ def doctor() -> int:
     return 0
 
 
+_UNIT_FILE = re.compile(r"^(\w+-[0-9a-f]{12}\.(cpp|cu)|\.unit-\w+)$")  # _sources.write_units' names
+
+
 def _ours(root: Path, stale_only: bool) -> List[Path]:
     """What the package keeps in ``root`` besides its entries: leftovers of killed builds and of removals, and
     (not with --stale) the failed-build logs, the lock files and the compiler-version memo. Only names the package
@@ -145,6 +163,7 @@ def _ours(root: Path, stale_only: bool) -> List[Path]:
         found += [p for p in root.glob("logs/*.log") if _variant.ENTRY_NAME.match(p.stem)]
         found += [p for p in root.glob(".locks/*.lock") if _variant.ENTRY_NAME.match(p.stem)]
         found += [root / _cache.TOOLCHAINS_FILE, *root.glob(f".{_cache.TOOLCHAINS_FILE}.*")]
+        found += [p for p in root.glob(f"{_cache.UNITS_DIR}/*") if _UNIT_FILE.match(p.name)]
     return [p for p in found if os.path.lexists(p)]
 
 

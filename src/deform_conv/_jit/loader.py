@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import cache as _cache, settings as _settings, toolchain as _toolchain
+from . import cache as _cache, settings as _settings, toolchain as _toolchain, variant as _variant
 from .cache import EntryState
 from .errors import BuildError
 from .progress import Elapsed, say
@@ -208,11 +208,61 @@ def load(variant: Variant) -> LoadedLibrary:
     return loaded
 
 
+def _needs_build(variant: Variant) -> bool:
+    """Whether :func:`load` would compile ``variant`` now: nothing bundled or cached serves it, and it can be built
+    here. False wherever load would raise instead (it then raises, with its message)."""
+    environment = environment_inputs(variant)
+    if matching_prebuilt(variant, environment).usable:
+        return False
+    root = cache_root()
+    if os.path.lexists(root) and _cache.root_problem(root) is not None:
+        return False
+    if not can_build(variant, root):
+        return False
+    found, _skipped = find_entry(variant, root, environment, any_toolchain=False, warn=False)
+    return found is None
+
+
+def build_concurrently(variants: Tuple[Variant, ...]) -> Dict[Variant, BuildError]:
+    """Compiles at once every library of ``variants`` that :func:`load` would compile, when there are several
+    (the CPU and the CUDA library on a GPU machine's first import: their compiles overlap, the CUDA one, longer,
+    started first), with one elapsed-time line for all. Loads nothing: :func:`load` then finds the entries.
+    Returns the failures by variant, for load's caller to raise in order."""
+    try:
+        missing = [v for v in variants if _needs_build(v)]
+    except (BuildError, OSError):
+        return {}  # load() meets the same problem and says it
+    if len(missing) < 2:
+        return {}
+    import concurrent.futures
+
+    missing.sort(key=lambda v: v.kind != "cuda")
+    root = cache_root()
+    labels = " and the ".join(v.label for v in missing)
+    failures: Dict[Variant, BuildError] = {}
+    with Elapsed(f"compiling the {labels}", quiet=_settings.verbose()), \
+            concurrent.futures.ThreadPoolExecutor(max_workers=len(missing)) as pool:
+        futures = {v: pool.submit(build, v, root, load=False, show_progress=False) for v in missing}
+        try:
+            for variant, future in futures.items():
+                try:
+                    future.result()
+                except BuildError as error:
+                    failures[variant] = error
+        except BaseException:  # KeyboardInterrupt: the compiles must not run on without us
+            from . import compile as _compile
+
+            _compile.stop_all()
+            raise
+    return failures
+
+
 # ----------------------------------------------------------------------------------------------- build path
 
-def build(variant: Variant, root: Path, load: bool = True) -> Union[LoadedLibrary, Path]:
+def build(variant: Variant, root: Path, load: bool = True, show_progress: bool = True) -> Union[LoadedLibrary, Path]:
     """Builds ``variant`` into its cache entry under ``root`` (or waits for another process that is
-    building it), then loads it; with ``load=False`` only builds it and returns the entry."""
+    building it), then loads it; with ``load=False`` only builds it and returns the entry. ``show_progress``: the
+    elapsed-time line (off while several builds run at once: :func:`build_concurrently` shows one for all)."""
     _toolchain.check_prerequisites(variant)
     try:
         _cache.make_root(root)
@@ -225,7 +275,7 @@ def build(variant: Variant, root: Path, load: bool = True) -> Union[LoadedLibrar
     if problem is not None:
         raise untrusted_root_error(root, problem)
     try:
-        return _build_locked(variant, root, load)
+        return _build_locked(variant, root, load, show_progress)
     except OSError as exc:
         if exc.errno == errno.ENOLCK:
             raise BuildError(
@@ -276,7 +326,7 @@ def _acquire(lock, variant: Variant, entry: Path) -> None:
             say(f"still waiting ({waited} s) for the lock {lock.lock_file}, held by another process")
 
 
-def _build_locked(variant: Variant, root: Path, load: bool) -> Union[LoadedLibrary, Path]:
+def _build_locked(variant: Variant, root: Path, load: bool, show_progress: bool) -> Union[LoadedLibrary, Path]:
     from filelock import FileLock
 
     environment = environment_inputs(variant)
@@ -295,7 +345,8 @@ def _build_locked(variant: Variant, root: Path, load: bool) -> Union[LoadedLibra
 
         private = Path(tempfile.mkdtemp(prefix=f".build-{entry.name}-", dir=root))
         try:
-            seconds = _compile_into(variant, environment, tools, entry, private)
+            reused = _seed_from_earlier_build(variant, environment, entry, private, root)
+            seconds = _compile_into(variant, environment, tools, entry, private, reused, show_progress)
             published = _publish(private, entry, environment, root)
         finally:
             if private.exists():
@@ -306,19 +357,53 @@ def _build_locked(variant: Variant, root: Path, load: bool) -> Union[LoadedLibra
         lock.release()
 
 
+# What may differ between two builds whose objects one may reuse from the other (unit by unit, by unit_sha256).
+_SOURCE_INPUTS = ("package_version", "sources_sha256", "units")
+
+
+def _seed_from_earlier_build(variant: Variant, environment: Dict[str, object], entry: Path, private: Path,
+                             root: Path) -> List[str]:
+    """Starts the build in ``private`` from the newest trusted entry built for the same variant, flags, torch and
+    toolchain from other sources (a source edited during development, a package upgrade): the objects of its units
+    whose sources and headers are unchanged are copied over, so that only the others are compiled. Returns the
+    units reused."""
+    same = {k: v for k, v in environment.items() if k not in _SOURCE_INPUTS}
+    toolchain_hash = entry.name.rsplit("-", 1)[1]
+    earlier = []
+    for directory in root.glob(f"{variant.tag}-torch*-{toolchain_hash}"):
+        state = _cache.inspect_entry(directory, hash_library=False)
+        key = state.key
+        if directory == entry or key is None or not isinstance(key.get("unit_sha256"), dict):
+            continue
+        if {k: v for k, v in key["environment"].items() if k not in _SOURCE_INPUTS} == same:
+            earlier.append((_key_mtime(directory), directory, key["unit_sha256"]))
+    if not earlier:
+        return []
+    _mtime, directory, their_hashes = max(earlier, key=lambda found: found[0])
+    ours = _variant.unit_sha256(variant)
+    unchanged = [_variant.unit_file_name(variant, unit) for unit, digest in ours.items()
+                 if their_hashes.get(unit) == digest]
+    return [_variant.unit_of(f) for f in _cache.seed_build(directory, private, unchanged)]
+
+
 def _compile_into(variant: Variant, environment: Dict[str, object], tools: Dict[str, str], entry: Path,
-                  private: Path) -> float:
-    """Compiles into ``private`` and writes its key.json last; returns the compile's duration."""
+                  private: Path, reused: List[str], show_progress: bool) -> float:
+    """Compiles into ``private`` (where the objects of the units ``reused`` already lie) and writes its key.json
+    last; returns the compile's duration."""
+    import time
+
     from . import compile as _compile
 
     cuda = f" / CUDA {torch.version.cuda}" if variant.kind == "cuda" else ""
+    again = f", reusing {len(reused)} of {len(variant.units)} units of an earlier build" if reused else ""
     say(f"compiling the {variant.label} for torch {torch.__version__}{cuda} into {entry} "
-        "(once; later imports load it)")
-    name = "deform_conv_" + variant.kind + "_" + entry.name.rsplit("-", 2)[1]
+        f"(once; later imports load it{again})")
+    name = _compile.library_name(variant)
     timer = Elapsed("build", quiet=True)
+    started = time.time()
     try:
         with timer:
-            _compile.run(variant, name, private, tools)
+            _compile.run(variant, private, tools, show_progress)
     except _compile.CompileFailed as failed:
         log = _cache.own_directory(private.parent, "logs") / f"{entry.name}.log"
         os.replace(private / _compile.LOG_FILE, log)  # a rename: replaces whatever lies at that name
@@ -332,6 +417,10 @@ def _compile_into(variant: Variant, environment: Dict[str, object], tools: Dict[
         "library": library,
         "library_sha256": _cache.file_sha256(private / library),
         "build_seconds": round(timer.seconds, 1),
+        # What this build compiled and linked, slowest first (doctor and the self-check show them), what it reused.
+        "unit_seconds": {n: round(s, 1) for n, s in _compile.unit_seconds(private, started).items()},
+        "reused_units": sorted(reused),
+        "unit_sha256": _variant.unit_sha256(variant),
     }
     _cache.write_new_file(private / _cache.KEY_FILE, (json.dumps(key, indent=2, sort_keys=True) + "\n").encode())
     return timer.seconds

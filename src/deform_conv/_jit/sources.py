@@ -1,37 +1,42 @@
 """What each kernel library is compiled from and with: the one list shared by the JIT loader (compile.py)
-and the opt-in ahead-of-time build (setup.py). Plain data, no imports, so setup.py can read it by path."""
+and the opt-in ahead-of-time build (setup.py). Plain data and the standard library only, so setup.py can read it
+by path.
+
+A library is compiled as a few translation units ("units"), each the sources of one concern of one op included
+one after another. torch's headers, not our code, dominate the compile (a unit holding nothing but
+<ATen/ATen.h> and <torch/library.h> takes 6.8 s on a 2-core Xeon, and nvcc parses a header several times), so
+they are parsed once a unit instead of once a file: only the registration units see torch/library.h; the
+kernels see ATen/core/Tensor.h and the few ATen functions they call, the CUDA kernels no torch header beyond
+c10's Half and BFloat16. A unit's sources share one translation unit, so their file-local names must differ.
+
+Each op lives in csrc/<op>/ and is found there by convention:
+  csrc/<op>/*.cpp         host code of every backend (sizes, checks, the device-independent driver)
+  csrc/<op>/cpu/*.cpp     its CPU kernels
+  csrc/<op>/cuda/*.cpp    its CUDA backend's host code (tensors, dispatch, launches), compiled by the host compiler
+  csrc/<op>/cuda/*.cu     its CUDA kernels
+"""
+
+import os
 
 CSRC_DIR = "csrc"  # relative to the package directory
 
-# Each op's sources live under csrc/<op>/; what they share (the schemas, the sampling math, the CUDA execution
-# layer and its simulation) directly under csrc/.
-_DEFORM_CONV2D = "deform_conv2d/"
-_MS_DEFORM_ATTN = "ms_deform_attn/"
+# The ops, each a folder csrc/<op>/ laid out as above; adding an op is adding its folder and its name here (and its
+# schema in csrc/schemas.h, registered in ops.cpp and ops_cuda.cpp).
+OPS = ("deform_conv2d", "ms_deform_attn")
 
-# The CPU library holds every schema (ops.cpp) and the CPU kernels.
-CPU_SOURCES = (
-    "ops.cpp",
-    *(_DEFORM_CONV2D + name for name in (
-        "conv_params.cpp", "columns_driver.cpp", "cpu/sampling_passes.cpp", "cpu/scratch.cpp", "cpu/depthwise.cpp",
-        "cpu/transpose.cpp", "cpu/brgemm.cpp", "cpu/half_conversion.cpp", "cpu/half_gemm.cpp", "cpu/tiled_forward.cpp",
-        "cpu/deform_conv_cpu.cpp")),
-    *(_MS_DEFORM_ATTN + name for name in ("attention_params.cpp", "cpu/ms_deform_attn_cpu.cpp")),
-)
+# Sources of an op's CPU kernels compiled as a unit of their own (<op>_cpu_sampling), apart from the op's other
+# CPU sources: code generation, not headers, is what these cost (their loops are compiled for three instruction
+# sets, for each dtype), and as two units of about equal cost they keep both cores of a 2-core machine busy
+# (benchmarks/results/loader.md has each unit's time).
+CPU_SAMPLING_UNITS = {
+    "deform_conv2d": ("cpu/sampling_passes.cpp", "cpu/depthwise.cpp", "cpu/transpose.cpp"),
+}
 
-# The CUDA library holds only CUDA kernels; it is loaded after the CPU library, whose schemas it implements.
-# The device-independent sources are compiled into both: libraries are loaded with local symbol visibility.
-CUDA_SOURCES = (
-    *(_DEFORM_CONV2D + name for name in ("conv_params.cpp", "columns_driver.cpp", "cuda/deform_conv_cuda.cu")),
-    *(_MS_DEFORM_ATTN + name for name in ("attention_params.cpp", "cuda/ms_deform_attn_cuda.cu")),
-)
-
-# The CUDA simulation, for the tests only (deform_conv.testing.load_cuda_simulation): the CUDA kernels' source
-# compiled by the host compiler against cuda_simulation/simt.h, registered as torch.ops.deform_conv_sim.*.
-CUDA_SIMULATION_SOURCES = (
-    *(_DEFORM_CONV2D + name for name in ("conv_params.cpp", "columns_driver.cpp")),
-    _MS_DEFORM_ATTN + "attention_params.cpp",
-    "cuda_simulation/simt.cpp", "cuda_simulation/deform_conv2d_kernels.cpp", "cuda_simulation/ms_deform_attn_kernels.cpp",
-)
+# The registration units: the only ones that include torch/library.h.
+CPU_REGISTRATION = "ops.cpp"
+CUDA_REGISTRATION = "ops_cuda.cpp"
+# The CUDA simulation's execution layer and registration (csrc/cuda_simulation/).
+SIMULATION_LAYER = ("cuda_simulation/simt.cpp",)
 
 # -fopenmp makes at::parallel_for use threads (its OpenMP backend is header code compiled into the library). With
 # GCC the link names the OpenMP runtime torch loaded instead of -fopenmp's -lgomp (compile.link_flags), so
@@ -50,3 +55,107 @@ NVCC_FLAGS = ("-O3", "-lineinfo", "-Xptxas=-v")
 # DEFORM_CONV_SANITIZE (CPU library only, after -fsanitize=...; -O1 replaces -O3): stop at the first report so
 # that a test run fails, and keep frames and line numbers in the reports.
 SANITIZE_CXX_FLAGS = ("-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g", "-O1")
+
+
+def _listed(csrc, folder, suffix):
+    """csrc/<folder>/*<suffix>, relative to csrc and sorted (empty when the folder does not exist)."""
+    directory = os.path.join(csrc, folder)
+    if not os.path.isdir(directory):
+        return ()
+    return tuple(f"{folder}/{name}" for name in sorted(os.listdir(directory)) if name.endswith(suffix))
+
+
+def units(kind, csrc):
+    """The translation units of library ``kind`` ("cpu", "cuda" or "cuda_simulation"): {unit name: sources
+    relative to ``csrc``}, the longest first (ninja starts them in this order): the CUDA kernels, the CPU kernels,
+    the registration."""
+    if kind == "cpu":
+        found = {}
+        for op in OPS:
+            apart = tuple(f"{op}/{name}" for name in CPU_SAMPLING_UNITS.get(op, ()))
+            if apart:
+                found[f"{op}_cpu_sampling"] = apart
+            found[f"{op}_cpu"] = tuple(s for s in _listed(csrc, op, ".cpp") + _listed(csrc, f"{op}/cpu", ".cpp")
+                                       if s not in apart)
+        found["ops"] = (CPU_REGISTRATION,)
+        return found
+    if kind == "cuda":
+        found = {f"{op}_kernels": _listed(csrc, f"{op}/cuda", ".cu") for op in OPS}
+        found["ops_cuda"] = (CUDA_REGISTRATION,)
+        for op in OPS:
+            found[f"{op}_cuda"] = _listed(csrc, op, ".cpp") + _listed(csrc, f"{op}/cuda", ".cpp")
+        return {name: sources for name, sources in found.items() if sources}
+    if kind == "cuda_simulation":
+        # The CUDA backends' host code and kernels (.cu, compiled as C++ against the simulation's execution layer),
+        # one unit an op, registered into deform_conv_sim by the layer.
+        found = {"simulation": SIMULATION_LAYER}
+        for op in OPS:
+            found[f"{op}_simulated"] = (_listed(csrc, op, ".cpp") + _listed(csrc, f"{op}/cuda", ".cpp")
+                                        + _listed(csrc, f"{op}/cuda", ".cu"))
+        return found
+    raise ValueError(f"unknown library kind {kind!r}")
+
+
+def unit_inputs(kind, name, sources, csrc):
+    """Every file under ``csrc`` that unit ``name`` may read: its sources, the headers of its op's folder and the
+    shared ones (directly in csrc/, csrc/cuda/, csrc/cuda_simulation/); a registration unit may read every header.
+    A change elsewhere cannot change what the unit compiles to (an incremental build reuses its object)."""
+    op = next((op for op in OPS if name.startswith(op + "_")), None)
+    headers = []
+    for directory, _folders, files in os.walk(csrc):
+        folder = os.path.relpath(directory, csrc).replace(os.sep, "/")
+        shared = folder in (".", "cuda", "cuda_simulation")
+        mine = op is None or folder == op or folder.startswith(op + "/")
+        if shared or mine:
+            headers += [name if folder == "." else f"{folder}/{name}" for name in files
+                        if name.endswith((".h", ".cuh"))]
+    return tuple(sorted(set(sources) | set(headers)))
+
+
+def unit_text(kind, sources, csrc):
+    """The source of a unit: its sources included one after another, by absolute path (their own relative
+    includes resolve from their directories). The simulation compiles the CUDA sources as host C++."""
+    define = "#define DEFORM_CONV_CUDA_SIMULATION 1\n" if kind == "cuda_simulation" else ""
+    includes = "".join(f'#include "{os.path.join(os.path.abspath(csrc), s)}"\n' for s in sources)
+    return f"// deform_conv {kind} unit, generated from deform_conv/_sources.py: do not edit\n{define}{includes}"
+
+
+def unit_suffix(kind, sources):
+    """.cu for a unit of CUDA kernels (compiled by nvcc), .cpp otherwise (the host compiler)."""
+    return ".cu" if kind == "cuda" and any(s.endswith(".cu") for s in sources) else ".cpp"
+
+
+def unit_file_name(kind, name, sources, csrc):
+    """<unit>-<hash of its text>.cpp (or .cu): named by its content, so that a unit's path -- which the compile
+    command names, and ninja compares commands -- stays the same from one build to the next while the unit does.
+    Its object is <unit>-<hash>.o (.cuda.o for .cu)."""
+    import hashlib
+
+    digest = hashlib.sha256(unit_text(kind, sources, csrc).encode()).hexdigest()[:12]
+    return f"{name}-{digest}{unit_suffix(kind, sources)}"
+
+
+def write_units(kind, csrc, directory):
+    """Writes library ``kind``'s units into ``directory`` (a directory of ours) and returns their paths, in build
+    order. A unit file already there with the right text is left alone (its mtime tells ninja nothing changed);
+    anything else at its name is replaced by a rename, never written through."""
+    import tempfile
+
+    paths = []
+    for name, sources in units(kind, csrc).items():
+        path = os.path.join(directory, unit_file_name(kind, name, sources, csrc))
+        text = unit_text(kind, sources, csrc)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd) as existing:
+                st = os.fstat(existing.fileno())
+                unchanged = (existing.read() == text and st.st_uid == os.geteuid() and not st.st_mode & 0o022)
+        except (OSError, UnicodeDecodeError):
+            unchanged = False
+        if not unchanged:
+            fd, temporary = tempfile.mkstemp(prefix=".unit-", dir=directory)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(temporary, path)
+        paths.append(path)
+    return paths

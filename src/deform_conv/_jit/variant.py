@@ -35,9 +35,9 @@ class Variant:
     sanitize: Tuple[str, ...] = ()     # host-compiled only: -fsanitize= names from $DEFORM_CONV_SANITIZE
 
     @property
-    def sources(self) -> Tuple[str, ...]:
-        return {"cpu": _sources.CPU_SOURCES, "cuda": _sources.CUDA_SOURCES,
-                "cuda_simulation": _sources.CUDA_SIMULATION_SOURCES}[self.kind]
+    def units(self) -> Dict[str, Tuple[str, ...]]:
+        """{translation unit: its sources relative to csrc/} (_sources.units)."""
+        return _sources.units(self.kind, str(CSRC))
 
     @property
     def cxx_flags(self) -> Tuple[str, ...]:
@@ -83,6 +83,7 @@ def environment_inputs(variant: Variant) -> Dict[str, object]:
         "variant": variant.kind,
         "package_version": __version__,
         "sources_sha256": sources_sha256(),
+        "units": {name: list(sources) for name, sources in variant.units.items()},
         "cxx_flags": list(variant.cxx_flags),
         "ld_flags": list(variant.ld_flags),
         "torch_version": torch.__version__,
@@ -137,3 +138,25 @@ def wanted_variants() -> Tuple[Variant, ...]:
     :func:`requested_cuda_archs` asks for one."""
     archs = requested_cuda_archs()
     return (cpu_variant(),) + ((Variant("cuda", archs),) if archs else ())
+
+
+def unit_file_name(variant: Variant, unit: str) -> str:
+    """The file name of ``unit``'s generated source (and, less its suffix, of its object)."""
+    return _sources.unit_file_name(variant.kind, unit, variant.units[unit], str(CSRC))
+
+
+def unit_of(file_name: str) -> str:
+    """The unit a generated source or object belongs to: <unit>-<hash>.<suffix>."""
+    return file_name.split(".")[0].rsplit("-", 1)[0]
+
+
+def unit_sha256(variant: Variant) -> Dict[str, str]:
+    """{unit: a hash of its text and of every file it may read} (_sources.unit_inputs). A later build of other
+    sources reuses the object of a unit whose hash is unchanged, and compiles the others."""
+    hashes = {}
+    for name, sources in variant.units.items():
+        digest = hashlib.sha256(_sources.unit_text(variant.kind, sources, str(CSRC)).encode() + b"\0")
+        for path in _sources.unit_inputs(variant.kind, name, sources, str(CSRC)):
+            digest.update(path.encode() + b"\0" + (CSRC / path).read_bytes() + b"\0")
+        hashes[name] = digest.hexdigest()
+    return hashes

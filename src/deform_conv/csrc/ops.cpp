@@ -1,10 +1,13 @@
-// Every schema of the library (schemas.h). Backends register implementations with
-// TORCH_LIBRARY_IMPL(deform_conv, <DispatchKey>, m); autograd and fake kernels live in Python (_ops.py).
+// The CPU library's registrations: every schema (schemas.h) and every op's CPU kernels. The one translation unit
+// of the library that sees torch/library.h (its headers cost seconds per unit); the kernels' units see
+// ATen/core/Tensor.h and the few ATen functions they call. Autograd and fake kernels live in Python (_ops/).
 #include <torch/library.h>
 
 #include "deform_conv2d/cpu/brgemm.h"
+#include "deform_conv2d/cpu/deform_conv_cpu.h"
 #include "deform_conv2d/cpu/half_gemm.h"
 #include "deform_conv2d/cpu/scratch.h"
+#include "ms_deform_attn/cpu/ms_deform_attn_cpu.h"
 #include "schemas.h"
 
 TORCH_LIBRARY(deform_conv, m) {
@@ -18,4 +21,11 @@ TORCH_LIBRARY(deform_conv, m) {
   m.def("brgemm_available() -> bool", &deform_conv::cpu::batch_reduce_gemm_works);
   // Which path a bfloat16 or float16 layer's forward takes here, now, in words (cpu/half_gemm.h).
   m.def("cpu_half_path(ScalarType dtype) -> str", &deform_conv::cpu::cpu_half_path);
+}
+
+TORCH_LIBRARY_IMPL(deform_conv, CPU, m) {
+  m.impl("deform_conv2d", &deform_conv::cpu::deform_conv2d_forward);
+  m.impl("deform_conv2d_backward", &deform_conv::cpu::deform_conv2d_backward);
+  m.impl("ms_deform_attn", &deform_conv::cpu::ms_deform_attn_forward);
+  m.impl("ms_deform_attn_backward", &deform_conv::cpu::ms_deform_attn_backward);
 }

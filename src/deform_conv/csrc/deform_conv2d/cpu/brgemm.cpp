@@ -1,6 +1,6 @@
 #include "brgemm.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
@@ -17,9 +17,6 @@ namespace deform_conv {
 namespace cpu {
 namespace {
 
-// Rows of b per call: a 64-column panel of them (128 KiB) stays in L2 next to the rows of a.
-constexpr int64_t kDepthBlock = 512;
-
 // The grad_weights GEMM's tasks: blocks of output channels (at most this many) by panels of weight columns.
 // Each task reads its panel of the columns in full, so the columns are read once per block of output channels:
 // the blocks are as large as leave every thread 8 tasks, down to 32 channels.
@@ -29,8 +26,6 @@ constexpr int64_t kWeightPanel = 64;
 
 // The columns-gradient GEMM's tasks: tiles of this many pixels.
 constexpr int64_t kPixelTile = 128;
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 void gemm_block(int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a, const float* b, int64_t ld_b, float* c,
                 int64_t ld_c, bool accumulate) {

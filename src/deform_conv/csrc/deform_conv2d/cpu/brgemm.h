@@ -13,6 +13,15 @@
 namespace deform_conv {
 namespace cpu {
 
+// Rows of b per GEMM call, float32 and half types alike: a 64-column panel of them (128 KiB in float32) stays in
+// L2 next to the rows of a.
+constexpr int64_t kDepthBlock = 512;
+// Output channels per GEMM panel: four AVX-512 vectors of float32 (oneDNN packs half-type panels to leading
+// dimensions of 16 to 64, so a packed panel is at most this wide too).
+constexpr int64_t kPanelWidth = 64;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 // Whether the GEMM runs on oneDNN's microkernels here: this library compiled against a torch that has it (ATen's
 // CPUBLAS_BRGEMM_F32F32F32, torch >= 2.9), ATen built with oneDNN, x86 with AVX2, and oneDNN enabled
 // (torch.backends.mkldnn.enabled, which may change between calls). Where it is false, float32 layers take the

@@ -4,10 +4,10 @@
 // take their own path without GEMMs (depthwise.cpp). Where the CPU multiplies the half types natively
 // (half_gemm.h), their GEMMs run in them: the forward tiled, or as oneDNN's half convolution over the driver's
 // columns, and the backward's on half GEMMs (brgemm.h); everything else of theirs runs through float32.
-#include <ATen/ATen.h>
+#include "deform_conv_cpu.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "../../cpu_kernels.h"
 #include "../columns_driver.h"
@@ -81,10 +81,12 @@ std::optional<at::Tensor> narrowed(const std::optional<at::Tensor>& t, at::Scala
   return t.has_value() ? std::optional<at::Tensor>(t->to(dtype)) : std::nullopt;
 }
 
-at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
-                   const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
-                   at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
-                   c10::string_view border_gradient) {
+}  // namespace
+
+at::Tensor deform_conv2d_forward(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
+                                 const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
+                                 at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
+                                 c10::string_view border_gradient) {
   follow_torch_thread_count();
   const ConvParams p = make_conv_params(input, offset, weight, mask, bias, stride, padding, dilation, border_gradient);
   if (is_half_type(input)) {
@@ -93,7 +95,7 @@ at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::
       return forward_with(kPasses, p, widened(input), widened(offset), weight, widened(mask), bias,
                           input.scalar_type());
     }
-    return forward(widened(input), widened(offset), widened(weight), widened(mask), widened(bias), stride, padding,
+    return deform_conv2d_forward(widened(input), widened(offset), widened(weight), widened(mask), widened(bias), stride, padding,
                    dilation, border_gradient)
         .to(input.scalar_type());
   }
@@ -102,7 +104,8 @@ at::Tensor forward(const at::Tensor& input, const at::Tensor& offset, const at::
   return forward_with(kPasses, p, input, offset, weight, mask, bias);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>>
+deform_conv2d_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
     const std::optional<at::Tensor>& mask, at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
     bool bias_defined, c10::string_view border_gradient) {
@@ -117,7 +120,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
                                                 widened(weight), widened(mask), bias_defined);
       return {gi.to(dtype), go.to(dtype), gw.to(dtype), narrowed(gm, dtype), narrowed(gb, dtype)};
     }
-    auto [gi, go, gw, gm, gb] = backward(widened(grad_output), widened(input), widened(offset), widened(weight),
+    auto [gi, go, gw, gm, gb] = deform_conv2d_backward(widened(grad_output), widened(input), widened(offset), widened(weight),
                                          widened(mask), stride, padding, dilation, bias_defined, border_gradient);
     return {gi.to(dtype), go.to(dtype), gw.to(dtype), narrowed(gm, dtype), narrowed(gb, dtype)};
   }
@@ -125,11 +128,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
   return backward_with(kPasses, p, grad_output, input, offset, weight, mask, bias_defined);
 }
 
-}  // namespace
 }  // namespace cpu
 }  // namespace deform_conv
-
-TORCH_LIBRARY_IMPL(deform_conv, CPU, m) {
-  m.impl("deform_conv2d", &deform_conv::cpu::forward);
-  m.impl("deform_conv2d_backward", &deform_conv::cpu::backward);
-}

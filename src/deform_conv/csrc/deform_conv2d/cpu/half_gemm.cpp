@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "brgemm.h"
 #include "half_conversion.h"
 #include "scratch.h"
 
@@ -17,11 +18,9 @@ namespace deform_conv {
 namespace cpu {
 namespace {
 
-// Rows of the weight per GEMM call, as for float32 (brgemm.cpp); each block is packed on its own, so the call for
-// a block reads one packed matrix whatever oneDNN's layout.
-constexpr int64_t kDepthBlock = 512;
-// Columns of a packed panel, at most (oneDNN packs to leading dimensions of 16 to 64).
-constexpr int64_t kPanelWidth = 64;
+// Rows of the weight per GEMM call: kDepthBlock, as for float32 (brgemm.h); each block is packed on its own, so
+// the call for a block reads one packed matrix whatever oneDNN's layout. Columns of a packed panel: at most
+// kPanelWidth.
 
 #if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F16F16F32)
 #define DC_HALF_BRGEMM 1

@@ -1,6 +1,8 @@
 #include "scratch.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/core/MemoryFormat.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/accumulate.h>

@@ -1,6 +1,7 @@
 #include "tiled_forward.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -29,12 +30,8 @@ constexpr int64_t kMinTilePixels = 32;
 // A thread turns the images it works on to channels-last itself when they are at most this large; it keeps the
 // buffer (scratch.h), so the bound is per worker thread.
 constexpr int64_t kMaxTurnedImageBytes = int64_t(4) << 20;
-// Output channels per GEMM: four AVX-512 vectors of float32.
-constexpr int64_t kPanelWidth = 64;
 // The half types' images are widened this many channels at a time on their way to channels-last.
 constexpr int64_t kTurnedChannels = 16;
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 bool is_half_type(at::ScalarType dtype) { return dtype == at::kBFloat16 || dtype == at::kHalf; }
 

@@ -10,11 +10,12 @@
 // splits (image, head, level) between threads: one task owns its slice of value's gradient (that level's pixels
 // of that head) and its points' location and weight gradients, and walks its queries and points in order, so
 // every sum is taken in one fixed order: the gradients are bitwise the same for any thread count.
-#include <ATen/ATen.h>
+#include "ms_deform_attn_cpu.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -226,8 +227,11 @@ void backward_all(const AttentionParams& p, const std::vector<Level>& levels, co
 #define MS_DEFORM_ATTN_DISPATCH(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, TYPE, NAME, __VA_ARGS__)
 
-at::Tensor forward(const at::Tensor& value, const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
-                   const at::Tensor& sampling_locations, const at::Tensor& attention_weights) {
+}  // namespace
+
+at::Tensor ms_deform_attn_forward(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                                  const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+                                  const at::Tensor& attention_weights) {
   follow_torch_thread_count();
   const AttentionParams p =
       make_attention_params(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
@@ -242,11 +246,9 @@ at::Tensor forward(const at::Tensor& value, const at::Tensor& spatial_shapes, co
   return output;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& grad_output, const at::Tensor& value,
-                                                        const at::Tensor& spatial_shapes,
-                                                        const at::Tensor& level_start_index,
-                                                        const at::Tensor& sampling_locations,
-                                                        const at::Tensor& attention_weights) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ms_deform_attn_backward(
+    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& sampling_locations, const at::Tensor& attention_weights) {
   follow_torch_thread_count();
   const AttentionParams p =
       make_attention_params(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
@@ -268,11 +270,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& grad_o
   return {grad_value, grad_locations, grad_weights};
 }
 
-}  // namespace
 }  // namespace cpu
 }  // namespace deform_conv
-
-TORCH_LIBRARY_IMPL(deform_conv, CPU, m) {
-  m.impl("ms_deform_attn", &deform_conv::cpu::forward);
-  m.impl("ms_deform_attn_backward", &deform_conv::cpu::backward);
-}
