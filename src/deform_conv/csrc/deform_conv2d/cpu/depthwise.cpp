@@ -22,7 +22,7 @@ constexpr int64_t kMaxWeightBlocks = 256;
 
 // out[row, c] = sum over taps of weight[tap, c] * mask * bilinear(input[..., c]), out channels-last [B*P, C].
 template <typename scalar_t>
-DC_CPU_DISPATCH void forward_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
+void forward_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
                                   int64_t begin, int64_t end, scalar_t* out) {
   const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_group = p.channels_per_offset_group();
   std::vector<scalar_t> sampled(per_group);
@@ -46,10 +46,11 @@ DC_CPU_DISPATCH void forward_rows(const ConvParams& p, const SamplingInputs<scal
     }
   }
 }
+DC_CPU_KERNEL(forward_rows)
 
 // grad_offset, grad_mask and the blocks' partial weight gradients [blocks, taps, C] from grad_out [B*P, C].
 template <typename scalar_t>
-DC_CPU_DISPATCH void coordinate_and_weight_grads(const ConvParams& p, const SamplingInputs<scalar_t>& in,
+void coordinate_and_weight_grads_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
                                                  const scalar_t* weight_tc, const scalar_t* grad_out,
                                                  int64_t rows_per_block, int64_t block_begin, int64_t block_end,
                                                  scalar_t* grad_offset, scalar_t* grad_mask,
@@ -98,10 +99,11 @@ DC_CPU_DISPATCH void coordinate_and_weight_grads(const ConvParams& p, const Samp
     }
   }
 }
+DC_CPU_KERNEL(coordinate_and_weight_grads)
 
 // Adds d loss / d input into grad_input (channels-last): each task owns one image and one block of channels.
 template <typename scalar_t>
-DC_CPU_DISPATCH void input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
+void input_grad_body(const ConvParams& p, const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
                                 const scalar_t* grad_out, int64_t blocks, int64_t begin, int64_t end,
                                 scalar_t* grad_input) {
   const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_group = p.channels_per_offset_group();
@@ -130,6 +132,7 @@ DC_CPU_DISPATCH void input_grad(const ConvParams& p, const SamplingInputs<scalar
     }
   }
 }
+DC_CPU_KERNEL(input_grad)
 
 template <typename scalar_t>
 SamplingInputs<scalar_t> pointers(const at::Tensor& input_cl, const at::Tensor& offset, const at::Tensor& mask) {

@@ -109,7 +109,7 @@ struct BlockWalk {
 };
 
 template <typename scalar_t>
-DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void fill_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in,
+DC_VECTORIZE_COMPARISONS void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
                                                         int64_t first_image, int64_t row_begin, int64_t row_end,
                                                         scalar_t* columns) {
   const int64_t channels = p.in_channels, pixels = p.out_pixels(), per_group = p.in_channels_per_group();
@@ -140,9 +140,10 @@ DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void fill_rows(const ConvParams& p, con
     row += len;
   }
 }
+DC_CPU_KERNEL(fill_rows)
 
 template <typename scalar_t>
-DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void coordinate_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in,
+DC_VECTORIZE_COMPARISONS void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
                                                               int64_t first_image, int64_t row_begin, int64_t row_end,
                                                               const scalar_t* grad_columns, scalar_t* grad_offset,
                                                               scalar_t* grad_mask) {
@@ -192,11 +193,12 @@ DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void coordinate_rows(const ConvParams& 
     row += len;
   }
 }
+DC_CPU_KERNEL(coordinate_rows)
 
 // Tasks are (image, block of channels) pairs: each owns the part of grad_input it writes. An element of grad_input
 // belongs to one offset group, and sums its terms output pixel by output pixel, tap by tap within a pixel.
 template <typename scalar_t>
-DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void input_grad_tasks(const ConvParams& p, const SamplingInputs<scalar_t>& in,
+DC_VECTORIZE_COMPARISONS void input_grad_tasks_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
                                                                int64_t first_image, int64_t blocks, int64_t task_begin,
                                                                int64_t task_end, const scalar_t* grad_columns,
                                                                scalar_t* grad_input) {
@@ -243,6 +245,7 @@ DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void input_grad_tasks(const ConvParams&
     }
   }
 }
+DC_CPU_KERNEL(input_grad_tasks)
 
 }  // namespace
 
@@ -250,14 +253,14 @@ template <typename scalar_t>
 void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image, int64_t images,
                   scalar_t* columns) {
   at::parallel_for(0, images * p.out_pixels(), kRowsPerTask, [&](int64_t begin, int64_t end) {
-    fill_rows(p, in, first_image, begin, end, columns + begin * p.taps() * p.in_channels);
+    fill_rows<scalar_t>(p, in, first_image, begin, end, columns + begin * p.taps() * p.in_channels);
   });
 }
 
 template <typename scalar_t>
 void fill_column_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
                       int64_t row_begin, int64_t row_end, scalar_t* columns) {
-  fill_rows(p, in, first_image, row_begin, row_end, columns);
+  fill_rows<scalar_t>(p, in, first_image, row_begin, row_end, columns);
 }
 
 template <typename scalar_t>
@@ -265,7 +268,7 @@ void coordinate_and_mask_grads(const ConvParams& p, const SamplingInputs<scalar_
                                int64_t images, const scalar_t* grad_columns, scalar_t* grad_offset,
                                scalar_t* grad_mask) {
   at::parallel_for(0, images * p.out_pixels(), kRowsPerTask, [&](int64_t begin, int64_t end) {
-    coordinate_rows(p, in, first_image, begin, end, grad_columns, grad_offset, grad_mask);
+    coordinate_rows<scalar_t>(p, in, first_image, begin, end, grad_columns, grad_offset, grad_mask);
   });
 }
 
@@ -279,7 +282,7 @@ void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& 
   const int64_t threads = at::get_num_threads();
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(threads / std::gcd(images, threads), p.in_channels / 8));
   at::parallel_for(0, images * blocks, 1, [&](int64_t begin, int64_t end) {
-    input_grad_tasks(p, in, first_image, blocks, begin, end, grad_columns, grad_input);
+    input_grad_tasks<scalar_t>(p, in, first_image, blocks, begin, end, grad_columns, grad_input);
   });
 }
 

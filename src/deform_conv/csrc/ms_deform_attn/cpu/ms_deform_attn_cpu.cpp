@@ -69,7 +69,7 @@ constexpr int64_t kPointsPerTask = 2048;
 
 // Output rows (image, query) [begin, end). `sum` and `sample` hold D values each.
 template <typename scalar_t>
-DC_CPU_DISPATCH void forward_rows(const AttentionParams& p, const Level* levels, const scalar_t* value,
+void forward_rows_body(const AttentionParams& p, const Level* levels, const scalar_t* value,
                                   const scalar_t* locations, const scalar_t* weights, scalar_t* output, int64_t begin,
                                   int64_t end, at::opmath_type<scalar_t>* __restrict__ sum,
                                   at::opmath_type<scalar_t>* __restrict__ sample) {
@@ -109,6 +109,7 @@ DC_CPU_DISPATCH void forward_rows(const AttentionParams& p, const Level* levels,
     }
   }
 }
+DC_CPU_KERNEL(forward_rows)
 
 template <typename scalar_t>
 void forward_all(const AttentionParams& p, const std::vector<Level>& levels, const scalar_t* value,
@@ -117,7 +118,7 @@ void forward_all(const AttentionParams& p, const std::vector<Level>& levels, con
   const int64_t grain = std::max<int64_t>(1, kPointsPerTask / std::max<int64_t>(1, p.heads * p.levels * p.points));
   at::parallel_for(0, p.batch * p.queries, grain, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> sum(p.channels), sample(p.channels);
-    forward_rows(p, levels.data(), value, locations, weights, output, begin, end, sum.data(), sample.data());
+    forward_rows<scalar_t>(p, levels.data(), value, locations, weights, output, begin, end, sum.data(), sample.data());
   });
 }
 
@@ -126,7 +127,7 @@ void forward_all(const AttentionParams& p, const std::vector<Level>& levels, con
 // tasks tile grad_value (the levels tile S: checked by make_attention_params). So a half-type gradient needs no
 // float32 copy of the whole of it. `grad` holds D values, `grad_slice` the largest level's pixels * D.
 template <typename scalar_t>
-DC_CPU_DISPATCH void backward_tasks(const AttentionParams& p, const Level* levels, const scalar_t* value,
+void backward_tasks_body(const AttentionParams& p, const Level* levels, const scalar_t* value,
                                     const scalar_t* locations, const scalar_t* weights, const scalar_t* grad_output,
                                     scalar_t* grad_value, scalar_t* grad_locations, scalar_t* grad_weights,
                                     int64_t begin, int64_t end, at::opmath_type<scalar_t>* __restrict__ grad,
@@ -210,6 +211,7 @@ DC_CPU_DISPATCH void backward_tasks(const AttentionParams& p, const Level* level
     }
   }
 }
+DC_CPU_KERNEL(backward_tasks)
 
 template <typename scalar_t>
 void backward_all(const AttentionParams& p, const std::vector<Level>& levels, const scalar_t* value,
@@ -219,7 +221,7 @@ void backward_all(const AttentionParams& p, const std::vector<Level>& levels, co
   for (const Level& level : levels) largest = std::max(largest, level.height * level.width);
   at::parallel_for(0, p.batch * p.heads * p.levels, 1, [&](int64_t begin, int64_t end) {
     std::vector<at::opmath_type<scalar_t>> grad(p.channels), grad_slice(largest * p.channels);
-    backward_tasks(p, levels.data(), value, locations, weights, grad_output, grad_value, grad_locations,
+    backward_tasks<scalar_t>(p, levels.data(), value, locations, weights, grad_output, grad_value, grad_locations,
                    grad_weights, begin, end, grad.data(), grad_slice.data());
   });
 }
