@@ -18,19 +18,29 @@ CPU_SOURCES = (
     *(_MS_DEFORM_ATTN + name for name in ("attention_params.cpp", "cpu/ms_deform_attn_cpu.cpp")),
 )
 
-# The CUDA library holds only CUDA kernels; it is loaded after the CPU library, whose schemas it implements.
-# The device-independent sources are compiled into both: libraries are loaded with local symbol visibility.
+# The CUDA library holds only the CUDA backends; it is loaded after the CPU library, whose schemas it implements.
+# Each op's backend is two units: its host code (cuda/*.cpp: checks, allocation, ATen calls, the dispatch and every
+# launch decision), compiled by the host compiler, and its kernels (cuda/*.cu), compiled by nvcc against no torch
+# header but c10's half types -- nvcc parses every header several times (device pass, cudafe++, host pass), and
+# ATen's cost it half a minute a file. ops_cuda.cpp registers them; cuda/host.cpp is what the host code asks of
+# CUDA (the current stream, the launch check). The device-independent sources are compiled into both libraries:
+# libraries are loaded with local symbol visibility.
 CUDA_SOURCES = (
-    *(_DEFORM_CONV2D + name for name in ("conv_params.cpp", "columns_driver.cpp", "cuda/deform_conv_cuda.cu")),
-    *(_MS_DEFORM_ATTN + name for name in ("attention_params.cpp", "cuda/ms_deform_attn_cuda.cu")),
+    "ops_cuda.cpp", "cuda/host.cpp",
+    *(_DEFORM_CONV2D + name for name in (
+        "conv_params.cpp", "columns_driver.cpp", "cuda/deform_conv_cuda.cpp", "cuda/deform_conv_cuda.cu")),
+    *(_MS_DEFORM_ATTN + name for name in (
+        "attention_params.cpp", "cuda/ms_deform_attn_cuda.cpp", "cuda/ms_deform_attn_cuda.cu")),
 )
 
-# The CUDA simulation, for the tests only (deform_conv.testing.load_cuda_simulation): the CUDA kernels' source
-# compiled by the host compiler against cuda_simulation/simt.h, registered as torch.ops.deform_conv_sim.*.
+# The CUDA simulation, for the tests only (deform_conv.testing.load_cuda_simulation): the CUDA backends' host code
+# as it is, and their kernels compiled by the host compiler against cuda_simulation/simt.h (the *_kernels.cpp
+# wrappers include the .cu files), registered as torch.ops.deform_conv_sim.* (cuda_simulation/ops_sim.cpp).
 CUDA_SIMULATION_SOURCES = (
-    *(_DEFORM_CONV2D + name for name in ("conv_params.cpp", "columns_driver.cpp")),
-    _MS_DEFORM_ATTN + "attention_params.cpp",
-    "cuda_simulation/simt.cpp", "cuda_simulation/deform_conv2d_kernels.cpp", "cuda_simulation/ms_deform_attn_kernels.cpp",
+    *("cuda_simulation/" + name for name in (
+        "ops_sim.cpp", "simt.cpp", "deform_conv2d_kernels.cpp", "ms_deform_attn_kernels.cpp")),
+    *(_DEFORM_CONV2D + name for name in ("conv_params.cpp", "columns_driver.cpp", "cuda/deform_conv_cuda.cpp")),
+    *(_MS_DEFORM_ATTN + name for name in ("attention_params.cpp", "cuda/ms_deform_attn_cuda.cpp")),
 )
 
 # -fopenmp makes at::parallel_for use threads (its OpenMP backend is header code compiled into the library). With
