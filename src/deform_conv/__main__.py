@@ -137,11 +137,13 @@ def build(cuda_arch: Optional[str], cpu_only: bool) -> int:
     if archs:
         variants.append(_variant.Variant("cuda", archs))
     root = _loader.cache_root()
+    built = {v: _loader.find_entry(v, root, _variant.environment_inputs(v), any_toolchain=False)[0] for v in variants}
     failed = _loader.build_concurrently(tuple(variants))  # CPU and CUDA compiles overlap
     for variant in variants:
         if variant in failed:
             raise failed[variant]
-        found, _skipped = _loader.find_entry(variant, root, _variant.environment_inputs(variant), any_toolchain=False)
+        found = built[variant]
+        # (What build_concurrently compiled, build finds under the lock and returns.)
         entry = found.path if found else _loader.build(variant, root, load=False)
         print(f"{variant.label}: {entry}{' (already built)' if found else ''}")
     return 0

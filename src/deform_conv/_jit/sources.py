@@ -32,11 +32,11 @@ CPU_SAMPLING_UNITS = {
     "deform_conv2d": ("cpu/sampling_passes.cpp", "cpu/depthwise.cpp", "cpu/transpose.cpp"),
 }
 
-# The registration units: the only ones that include torch/library.h.
+# The registration units: the only ones that include torch/library.h. The CUDA library's goes with what its host
+# code asks of CUDA (cuda/host.cpp: the current stream, the launch check); the simulation's with its execution layer.
 CPU_REGISTRATION = "ops.cpp"
-CUDA_REGISTRATION = "ops_cuda.cpp"
-# The CUDA simulation's execution layer and registration (csrc/cuda_simulation/).
-SIMULATION_LAYER = ("cuda_simulation/simt.cpp",)
+CUDA_REGISTRATION = ("ops_cuda.cpp", "cuda/host.cpp")
+SIMULATION_LAYER = ("cuda_simulation/ops_sim.cpp", "cuda_simulation/simt.cpp")
 
 # -fopenmp makes at::parallel_for use threads (its OpenMP backend is header code compiled into the library). With
 # GCC the link names the OpenMP runtime torch loaded instead of -fopenmp's -lgomp (compile.link_flags), so
@@ -81,18 +81,19 @@ def units(kind, csrc):
         return found
     if kind == "cuda":
         found = {f"{op}_kernels": _listed(csrc, f"{op}/cuda", ".cu") for op in OPS}
-        found["ops_cuda"] = (CUDA_REGISTRATION,)
+        found["ops_cuda"] = CUDA_REGISTRATION
         for op in OPS:
             found[f"{op}_cuda"] = _listed(csrc, op, ".cpp") + _listed(csrc, f"{op}/cuda", ".cpp")
         return {name: sources for name, sources in found.items() if sources}
     if kind == "cuda_simulation":
-        # The CUDA backends' host code and kernels (.cu, compiled as C++ against the simulation's execution layer),
-        # one unit an op, registered into deform_conv_sim by the layer.
-        found = {"simulation": SIMULATION_LAYER}
+        # The CUDA backends' host code as it is, and their kernels (.cu) compiled by the host compiler against the
+        # simulation's execution layer (unit_text defines DEFORM_CONV_CUDA_SIMULATION for them), registered into
+        # deform_conv_sim by the layer (cuda_simulation/ops_sim.cpp).
+        found = {f"{op}_simulated_kernels": _listed(csrc, f"{op}/cuda", ".cu") for op in OPS}
+        found["simulation"] = SIMULATION_LAYER
         for op in OPS:
-            found[f"{op}_simulated"] = (_listed(csrc, op, ".cpp") + _listed(csrc, f"{op}/cuda", ".cpp")
-                                        + _listed(csrc, f"{op}/cuda", ".cu"))
-        return found
+            found[f"{op}_simulated_host"] = _listed(csrc, op, ".cpp") + _listed(csrc, f"{op}/cuda", ".cpp")
+        return {name: sources for name, sources in found.items() if sources}
     raise ValueError(f"unknown library kind {kind!r}")
 
 
@@ -114,8 +115,10 @@ def unit_inputs(kind, name, sources, csrc):
 
 def unit_text(kind, sources, csrc):
     """The source of a unit: its sources included one after another, by absolute path (their own relative
-    includes resolve from their directories). The simulation compiles the CUDA sources as host C++."""
-    define = "#define DEFORM_CONV_CUDA_SIMULATION 1\n" if kind == "cuda_simulation" else ""
+    includes resolve from their directories). The simulation compiles the CUDA kernels (.cu) as host C++ against
+    its execution layer (cuda/execution.cuh then includes cuda_simulation/simt.h)."""
+    simulated = kind == "cuda_simulation" and any(s.endswith(".cu") for s in sources)
+    define = "#define DEFORM_CONV_CUDA_SIMULATION 1\n" if simulated else ""
     includes = "".join(f'#include "{os.path.join(os.path.abspath(csrc), s)}"\n' for s in sources)
     return f"// deform_conv {kind} unit, generated from deform_conv/_sources.py: do not edit\n{define}{includes}"
 

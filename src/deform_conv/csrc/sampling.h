@@ -20,12 +20,15 @@
 // The checks below come before any float-to-integer conversion, so no such point ever yields an index.
 #pragma once
 
-#include <c10/macros/Macros.h>
-
 #include <cmath>
 #include <cstdint>
 
-#define DC_HOST_DEVICE C10_HOST_DEVICE
+// No torch header here: the CUDA kernels include this file, and nvcc parses every header of theirs several times.
+#ifdef __CUDACC__
+#define DC_HOST_DEVICE __host__ __device__
+#else
+#define DC_HOST_DEVICE
+#endif
 
 namespace deform_conv {
 

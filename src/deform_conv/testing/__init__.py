@@ -22,7 +22,7 @@ from .._jit.variant import Variant
 
 _loaded: Optional[_loader.LoadedLibrary] = None
 
-# The GPU's threshold (cuda/deform_conv_cuda.cu, fits_int32): the 32-bit index path below 2^30 elements.
+# The GPU's threshold (csrc/cuda/host.cpp, int32_index_limit): the 32-bit index path below 2^30 elements.
 GPU_INT32_LIMIT = 2**30
 
 

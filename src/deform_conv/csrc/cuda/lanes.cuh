@@ -1,16 +1,13 @@
-// What the CUDA kernels of every op share beyond execution.cuh: vector loads and stores, and how a launch splits
-// its work into lane groups. Device code only.
+// What the CUDA kernels of every op share beyond execution.cuh: vector loads and stores, and the lane group of a
+// thread (launch.h's Split). Device code only.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 
 #include "execution.cuh"
 
 namespace deform_conv {
 namespace cuda {
-
-constexpr int kWarp = 32;
 
 // V consecutive elements, loaded and stored as one access of V * sizeof(T) bytes.
 template <typename T, int V>
@@ -28,13 +25,6 @@ DC_DEVICE void store_vector(T* address, const Vector<T, V>& value) {
   *reinterpret_cast<Vector<T, V>*>(address) = value;
 }
 
-
-// How the threads of a launch share the work: a group of 2^lanes_log2 adjacent threads (at most a warp) takes one
-// item (a sampling point, a pixel, a row block) and strides over its channels.
-struct Split {
-  int lanes_log2;
-};
-
 // Lane group, lane within it, and the grid-stride step in items, of the calling thread.
 template <typename index_t>
 struct LaneGroup {
@@ -48,36 +38,6 @@ struct LaneGroup {
     step = (index_t(blockDim.x) * gridDim.x) >> split.lanes_log2;
   }
 };
-
-// ------------------------------------------------------------------------------------------- host side
-
-constexpr int kThreads = 256;  // a multiple of the warp: kernels that shuffle need whole warps
-
-inline int64_t blocks_for(int64_t threads) {
-  // Grid-stride loops cover the rest; 2^20 blocks keep every SM busy on any GPU. (The simulation may cap the grid
-  // lower, so that the tests run the loops' later iterations too.)
-  return grid_blocks(std::max<int64_t>(1, std::min<int64_t>((threads + kThreads - 1) / kThreads, int64_t(1) << 20)));
-}
-
-// The smallest power of two of lanes that covers `vectors` channel vectors, at most a warp.
-inline Split split_for(int64_t vectors) {
-  int log2 = 0;
-  while (log2 < 5 && (int64_t(1) << log2) < vectors) ++log2;
-  return Split{log2};
-}
-
-// Calls f(int32_t(0)) when every index of a launch fits in 32 bits (`fits_int32`, decided by the op), else
-// f(int64_t(0)); the simulation counts which.
-template <typename F>
-void with_index_width(bool fits_int32, F&& f) {
-  if (fits_int32) {
-    note_index_bits(32);
-    f(int32_t(0));
-  } else {
-    note_index_bits(64);
-    f(int64_t(0));
-  }
-}
 
 }  // namespace cuda
 }  // namespace deform_conv

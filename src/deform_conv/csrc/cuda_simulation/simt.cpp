@@ -1,5 +1,6 @@
 // The simulation's scheduler (see simt.h): blocks one after another, each thread of a block a fiber
-// (ucontext), switched only where a warp shuffle makes lanes wait for each other.
+// (ucontext), switched only where a warp shuffle makes lanes wait for each other. And cuda/host.h's functions as the
+// simulation defines them (cuda/host.cpp defines them on a GPU).
 #include "simt.h"
 
 #include <c10/util/Exception.h>
@@ -14,7 +15,7 @@
 #include <random>
 #include <vector>
 
-#include "../schemas.h"
+#include "../cuda/host.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/common_interface_defs.h>
@@ -193,7 +194,10 @@ void exchange_xor(void* value, int bytes, int delta) {
 
 void restart_block_orders() { launches_since_configure = 0; }
 
-void note_index_bits(int bits) { ++(bits == 32 ? statistics.int32_launches : statistics.int64_launches); }
+std::vector<int64_t> counts() {
+  const Statistics& s = statistics;
+  return {s.launches, s.blocks, s.threads, s.shuffles, s.int32_launches, s.int64_launches};
+}
 
 void run_grid(int64_t blocks, int64_t threads, const std::function<void()>& body) {
   TORCH_CHECK(threads >= 1 && threads <= kMaxThreadsPerBlock, "CUDA simulation: ", threads,
@@ -252,33 +256,26 @@ void run_grid(int64_t blocks, int64_t threads, const std::function<void()>& body
 }
 
 }  // namespace sim
+
+namespace cuda {
+
+Stream current_stream() { return nullptr; }  // the simulation runs each launch at once
+
+void check_launch() {}  // run_grid has checked the launch, and raised
+
+int64_t int32_index_limit() { return sim::options().int32_limit; }
+
+void note_index_bits(int bits) {
+  ++(bits == 32 ? sim::statistics.int32_launches : sim::statistics.int64_launches);
+}
+
+int64_t budget_bytes(int64_t gpu_budget) {
+  return sim::options().budget_bytes > 0 ? sim::options().budget_bytes : gpu_budget;
+}
+
+int64_t grid_blocks(int64_t blocks) {
+  return sim::options().max_blocks > 0 ? std::min(blocks, sim::options().max_blocks) : blocks;
+}
+
+}  // namespace cuda
 }  // namespace deform_conv
-
-namespace {
-
-void configure(int64_t int32_limit, bool shuffle_blocks, int64_t seed, int64_t budget_bytes, int64_t max_blocks) {
-  TORCH_CHECK(int32_limit >= 1 && int32_limit <= (int64_t(1) << 30), "int32_limit must be in [1, 2^30], got ",
-              int32_limit);
-  TORCH_CHECK(budget_bytes >= 0, "budget_bytes must be >= 0, got ", budget_bytes);
-  TORCH_CHECK(max_blocks >= 0, "max_blocks must be >= 0, got ", max_blocks);
-  deform_conv::sim::options() = {int32_limit, shuffle_blocks, static_cast<uint64_t>(seed), budget_bytes, max_blocks};
-  deform_conv::sim::restart_block_orders();
-}
-
-// [launches, blocks, threads, shuffles, launches with 32-bit indices, launches with 64-bit indices] so far.
-std::vector<int64_t> statistics() {
-  const auto& s = deform_conv::sim::statistics;
-  return {s.launches, s.blocks, s.threads, s.shuffles, s.int32_launches, s.int64_launches};
-}
-
-}  // namespace
-
-TORCH_LIBRARY(deform_conv_sim, m) {
-  m.def(deform_conv::kDeformConv2dSchema);
-  m.def(deform_conv::kDeformConv2dBackwardSchema);
-  m.def(deform_conv::kMsDeformAttnSchema);
-  m.def(deform_conv::kMsDeformAttnBackwardSchema);
-  m.def("configure(int int32_limit, bool shuffle_blocks, int seed, int budget_bytes, int max_blocks) -> ()",
-        &configure);
-  m.def("statistics() -> int[]", &statistics);
-}

@@ -1,7 +1,9 @@
 // The CUDA simulation: what cuda/execution.cuh provides on a GPU, provided on the CPU, so that the CUDA kernels'
 // own source runs in the tests on machines without a GPU. A test facility only: the simulation library is built
-// on request (deform_conv.testing.load_cuda_simulation) into a cache entry of its own, and registers the CUDA
-// backend's ops as torch.ops.deform_conv_sim.* on CPU tensors.
+// on request (deform_conv.testing.load_cuda_simulation) into a cache entry of its own from the CUDA backend's own
+// host code and kernels, and registers its ops as torch.ops.deform_conv_sim.* on CPU tensors (ops_sim.cpp).
+// simt.cpp also defines cuda/host.h's functions for the simulation (its knobs: Options). No torch header here: the
+// kernels include it, as they include execution.cuh on a GPU.
 //
 // Execution model (simt.cpp): the blocks of a grid run one after another, in order or in a seeded random order;
 // each thread of a block is a fiber of its own, run until it finishes or reaches a warp shuffle. A shuffle
@@ -10,11 +12,12 @@
 // shuffles. CUDA's launch limits are checked at every launch.
 #pragma once
 
-#include <torch/library.h>
-
-#include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <type_traits>
+#include <vector>
+
+#include "../cuda/launch.h"
 
 namespace deform_conv {
 namespace sim {
@@ -45,11 +48,12 @@ void exchange_xor(void* value, int bytes, int delta);
 // Runs `body` as every thread of every block of the grid. Checks CUDA's launch limits first.
 void run_grid(int64_t blocks, int64_t threads, const std::function<void()>& body);
 
-// Which index width a launch chose (the tests check that both paths run).
-void note_index_bits(int bits);
-
 // Shuffled block orders start again from the seed (configure calls it).
 void restart_block_orders();
+
+// [launches, blocks, threads, shuffles, launches with 32-bit indices, launches with 64-bit indices] so far (the
+// tests check that both index widths run).
+std::vector<int64_t> counts();
 
 }  // namespace sim
 }  // namespace deform_conv
@@ -64,10 +68,6 @@ void restart_block_orders();
 namespace deform_conv {
 namespace cuda {
 
-struct DeviceGuard {
-  explicit DeviceGuard(const c10::Device&) {}
-};
-
 template <typename T>
 inline T warp_xor(T value, int delta) {
   static_assert(sizeof(T) <= 8, "CUDA shuffles move at most 8 bytes");
@@ -75,27 +75,17 @@ inline T warp_xor(T value, int delta) {
   return value;
 }
 
-// Fibers switch only at shuffles, so a plain addition is atomic here.
+// Fibers switch only at shuffles, so a plain addition is atomic here. (Float or double, as on a GPU.)
 template <typename T>
 inline void atomic_add(T* address, T value) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "atomic adds are float or double");
   *address += value;
 }
 
-inline int64_t int32_index_limit() { return sim::options().int32_limit; }
-inline void note_index_bits(int bits) { sim::note_index_bits(bits); }
-inline int64_t budget_bytes(int64_t gpu_budget) {
-  return sim::options().budget_bytes > 0 ? sim::options().budget_bytes : gpu_budget;
-}
-inline int64_t grid_blocks(int64_t blocks) {
-  return sim::options().max_blocks > 0 ? std::min(blocks, sim::options().max_blocks) : blocks;
-}
-
 template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), int64_t blocks, int threads, Args&&... args) {
-  sim::run_grid(blocks, threads, [&] { kernel(args...); });
+void launch(void (*kernel)(Params...), const LaunchConfig& config, Args&&... args) {
+  sim::run_grid(config.blocks, config.threads, [&] { kernel(args...); });
 }
 
 }  // namespace cuda
 }  // namespace deform_conv
-
-#define DC_REGISTER_CUDA_KERNELS(m) TORCH_LIBRARY_IMPL(deform_conv_sim, CPU, m)

@@ -17,7 +17,7 @@ DC_KERNEL void depthwise_forward_kernel(Geometry<index_t> g, Split split, const 
                                         const scalar_t* __restrict__ offset, const scalar_t* __restrict__ mask,
                                         const scalar_t* __restrict__ weight_tc, const scalar_t* __restrict__ bias,
                                         index_t first, index_t items, scalar_t* __restrict__ out_rows) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = opmath_type<scalar_t>;
   const LaneGroup<index_t> lanes(split);
   for (index_t item = lanes.item; item < items; item += lanes.step) {
     const index_t group = item % g.offset_groups, row = item / g.offset_groups;
@@ -49,8 +49,8 @@ DC_KERNEL void depthwise_weight_partials_kernel(Geometry<index_t> g, Split split
                                                 const scalar_t* __restrict__ offset, const scalar_t* __restrict__ mask,
                                                 const scalar_t* __restrict__ grad_rows, index_t first, index_t rows,
                                                 index_t rows_per_block, index_t items,
-                                                at::opmath_type<scalar_t>* __restrict__ partials) {
-  using acc_t = at::opmath_type<scalar_t>;
+                                                opmath_type<scalar_t>* __restrict__ partials) {
+  using acc_t = opmath_type<scalar_t>;
   const LaneGroup<index_t> lanes(split);
   for (index_t item = lanes.item; item < items; item += lanes.step) {
     const index_t tap = item % g.taps, rest = item / g.taps;

@@ -2,11 +2,9 @@
 // from its flat index. Device code only; included by the kernel headers.
 #pragma once
 
-#include <ATen/OpMathType.h>
-
 #include <cstdint>
 
-#include "../conv_params.h"
+#include "../conv_sizes.h"
 #include "../../sampling.h"
 #include "../../cuda/lanes.cuh"
 

@@ -1,4 +1,4 @@
-// The three sampling passes as kernels (see deform_conv_cuda.cu for how they are launched): fill the columns,
+// The three sampling passes as kernels (deform_conv_cuda.cpp chooses how they are launched): fill the columns,
 // the offset's and mask's gradients, and the input's gradient, by atomics or, deterministically, by a gather.
 // Device code only. The columns' gradient comes from a policy: the buffer the backward's GEMM wrote, or, for a
 // depthwise layer (no columns), weight * grad_output computed on the fly.
@@ -70,7 +70,7 @@ template <typename scalar_t, typename index_t, int V>
 DC_KERNEL void fill_columns_kernel(Geometry<index_t> g, Split split, const scalar_t* __restrict__ input,
                                    const scalar_t* __restrict__ offset, const scalar_t* __restrict__ mask,
                                    index_t first, index_t points, scalar_t* __restrict__ columns) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = opmath_type<scalar_t>;
   const LaneGroup<index_t> lanes(split);
   for (index_t point = lanes.item; point < points; point += lanes.step) {
     const Point<acc_t, index_t> s(g, offset, mask, first, point);
@@ -94,7 +94,7 @@ DC_KERNEL void coordinate_grads_kernel(Geometry<index_t> g, Split split, const s
                                        const scalar_t* __restrict__ offset, const scalar_t* __restrict__ mask,
                                        GradColumns grad_columns, index_t first, index_t points,
                                        scalar_t* __restrict__ grad_offset, scalar_t* __restrict__ grad_mask) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = opmath_type<scalar_t>;
   const index_t thread = blockIdx.x * index_t(blockDim.x) + threadIdx.x;
   const index_t lanes = index_t(1) << split.lanes_log2, lane = thread & (lanes - 1);
   const index_t per_warp = kWarp >> split.lanes_log2;  // points a warp takes at once
@@ -143,8 +143,8 @@ DC_KERNEL void coordinate_grads_kernel(Geometry<index_t> g, Split split, const s
 template <typename scalar_t, typename index_t, int V, typename GradColumns>
 DC_KERNEL void input_grad_atomic_kernel(Geometry<index_t> g, Split split, const scalar_t* __restrict__ offset,
                                         const scalar_t* __restrict__ mask, GradColumns grad_columns, index_t first,
-                                        index_t points, at::opmath_type<scalar_t>* __restrict__ grad_input) {
-  using acc_t = at::opmath_type<scalar_t>;
+                                        index_t points, opmath_type<scalar_t>* __restrict__ grad_input) {
+  using acc_t = opmath_type<scalar_t>;
   const LaneGroup<index_t> lanes(split);
   for (index_t point = lanes.item; point < points; point += lanes.step) {
     const Point<acc_t, index_t> s(g, offset, mask, first, point);
@@ -174,7 +174,7 @@ template <typename scalar_t, typename index_t>
 DC_KERNEL void entry_keys_kernel(Geometry<index_t> g, const scalar_t* __restrict__ offset,
                                  const scalar_t* __restrict__ mask, index_t first, index_t points, index_t keys,
                                  int64_t* __restrict__ entry_keys) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = opmath_type<scalar_t>;
   const index_t step = index_t(blockDim.x) * gridDim.x;
   for (index_t point = blockIdx.x * index_t(blockDim.x) + threadIdx.x; point < points; point += step) {
     const Point<acc_t, index_t> s(g, offset, mask, first, point);
@@ -192,8 +192,8 @@ DC_KERNEL void input_grad_gather_kernel(Geometry<index_t> g, Split split, const 
                                         const scalar_t* __restrict__ mask, GradColumns grad_columns,
                                         const int64_t* __restrict__ sorted_entries,
                                         const int64_t* __restrict__ key_starts, index_t first, index_t keys,
-                                        at::opmath_type<scalar_t>* __restrict__ grad_input) {
-  using acc_t = at::opmath_type<scalar_t>;
+                                        opmath_type<scalar_t>* __restrict__ grad_input) {
+  using acc_t = opmath_type<scalar_t>;
   const LaneGroup<index_t> lanes(split);
   for (index_t key = lanes.item; key < keys; key += lanes.step) {
     const index_t begin = static_cast<index_t>(key_starts[key]), end = static_cast<index_t>(key_starts[key + 1]);

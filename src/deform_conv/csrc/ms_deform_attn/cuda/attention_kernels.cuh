@@ -1,14 +1,12 @@
-// Multi-scale deformable attention's CUDA kernels (see ms_deform_attn_cuda.cu for how they are launched): the
+// Multi-scale deformable attention's CUDA kernels (ms_deform_attn_cuda.cpp chooses how they are launched): the
 // forward, the location and weight gradients (with value's gradient by atomics in the default mode), and value's
 // gradient as a gather under torch.use_deterministic_algorithms(True). Device code only. The sampling math is
 // sampling.h's, shared with the CPU kernels.
 #pragma once
 
-#include <ATen/OpMathType.h>
-
 #include "../../cuda/lanes.cuh"
 #include "../../sampling.h"
-#include "../attention_params.h"
+#include "../attention_sizes.h"
 
 namespace deform_conv {
 namespace cuda {
@@ -113,7 +111,7 @@ template <typename scalar_t, typename index_t>
 DC_KERNEL void attention_forward_kernel(Attention<index_t> a, Split split, const scalar_t* __restrict__ value,
                                         const scalar_t* __restrict__ locations,
                                         const scalar_t* __restrict__ weights, scalar_t* __restrict__ output) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = opmath_type<scalar_t>;
   const LaneGroup<index_t> lanes(split);
   const index_t items = a.batch * a.queries * a.heads, pixel_stride = a.heads * a.channels;
   for (index_t item = lanes.item; item < items; item += lanes.step) {
@@ -150,9 +148,9 @@ DC_KERNEL void attention_backward_kernel(Attention<index_t> a, Split split, cons
                                          const scalar_t* __restrict__ locations,
                                          const scalar_t* __restrict__ weights,
                                          const scalar_t* __restrict__ grad_output,
-                                         at::opmath_type<scalar_t>* __restrict__ grad_value,
+                                         opmath_type<scalar_t>* __restrict__ grad_value,
                                          scalar_t* __restrict__ grad_locations, scalar_t* __restrict__ grad_weights) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = opmath_type<scalar_t>;
   const index_t thread = blockIdx.x * index_t(blockDim.x) + threadIdx.x;
   const index_t lanes = index_t(1) << split.lanes_log2, lane = thread & (lanes - 1);
   const index_t per_warp = kWarp >> split.lanes_log2;  // items a warp takes at once
@@ -213,7 +211,7 @@ template <typename scalar_t, typename index_t>
 DC_KERNEL void attention_entry_keys_kernel(Attention<index_t> a, const scalar_t* __restrict__ locations,
                                            const scalar_t* __restrict__ weights, index_t first, index_t points,
                                            index_t keys, int64_t* __restrict__ entry_keys) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = opmath_type<scalar_t>;
   const index_t step = index_t(blockDim.x) * gridDim.x;
   const index_t first_point = first * a.points_per_image();
   for (index_t local = blockIdx.x * index_t(blockDim.x) + threadIdx.x; local < points; local += step) {
@@ -236,8 +234,8 @@ DC_KERNEL void attention_value_grad_gather_kernel(Attention<index_t> a, Split sp
                                                   const scalar_t* __restrict__ grad_output,
                                                   const int64_t* __restrict__ sorted_entries,
                                                   const int64_t* __restrict__ key_starts, index_t first, index_t keys,
-                                                  at::opmath_type<scalar_t>* __restrict__ grad_value) {
-  using acc_t = at::opmath_type<scalar_t>;
+                                                  opmath_type<scalar_t>* __restrict__ grad_value) {
+  using acc_t = opmath_type<scalar_t>;
   const LaneGroup<index_t> lanes(split);
   const index_t first_point = first * a.points_per_image();
   for (index_t key = lanes.item; key < keys; key += lanes.step) {
