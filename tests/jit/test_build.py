@@ -280,7 +280,9 @@ def test_wide_copies_of_the_cpu_passes_hold_their_inner_loops():
             bodies.setdefault(current, []).append(line)
     if not bodies:
         pytest.skip("no per-instruction-set copies in this build (not GCC on x86-64 Linux)")
-    passes = ("fill_rows<float>", "coordinate_rows<float>", "input_grad_tasks<float>", "forward_rows<float>")
+    # (DC_CPU_KERNEL: the clones are <pass>_cloned<float, ...>.)
+    passes = ("fill_rows_cloned<float", "coordinate_rows_cloned<float", "input_grad_tasks_cloned<float",
+              "forward_rows_cloned<float")
     for name in passes:
         clones = [body for symbol, body in bodies.items() if name in symbol]
         assert clones, f"no AVX-512 copy of {name} in {library}"

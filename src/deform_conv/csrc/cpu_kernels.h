@@ -32,19 +32,31 @@
 #define DC_VECTORIZE_COMPARISONS
 #endif
 
-// A kernel whose float64 instantiation is compiled once, for baseline x86-64, while the other dtypes get the
-// DC_CPU_DISPATCH clones: float64 serves exact checks and gradcheck, not speed, and its three copies of every
-// kernel cost seconds of every build (the results are the same: no copy reorders any arithmetic). The kernel is
-// written as the template `name##_body<scalar_t>(...)`; DC_CPU_KERNEL(name) defines `name<scalar_t>(...)`.
+// `flatten` alone: every call inlined, for the compiler's baseline instruction set.
+#if defined(__GNUC__)
+#define DC_FLATTEN __attribute__((flatten))
+#else
+#define DC_FLATTEN
+#endif
+
+// A kernel whose float64 instantiation is compiled once, for baseline x86-64 (flattened all the same: its inner
+// loops stay loops, not calls), while the other dtypes get the DC_CPU_DISPATCH clones: float64 serves exact checks
+// and gradcheck, not speed, and two more copies of every kernel cost seconds of every build (the results are the
+// same: no copy reorders any arithmetic). The kernel is written as the template `name##_body<scalar_t>(...)`;
+// DC_CPU_KERNEL(name) defines `name<scalar_t>(...)`.
 #define DC_CPU_KERNEL(name)                                                                                  \
   template <typename scalar_t, typename... Args>                                                             \
   DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void name##_cloned(Args&&... args) {                              \
     name##_body<scalar_t>(std::forward<Args>(args)...);                                                      \
   }                                                                                                          \
   template <typename scalar_t, typename... Args>                                                             \
+  DC_FLATTEN DC_VECTORIZE_COMPARISONS void name##_once(Args&&... args) {                                     \
+    name##_body<scalar_t>(std::forward<Args>(args)...);                                                      \
+  }                                                                                                          \
+  template <typename scalar_t, typename... Args>                                                             \
   void name(Args&&... args) {                                                                                \
     if constexpr (std::is_same_v<scalar_t, double>) {                                                        \
-      name##_body<scalar_t>(std::forward<Args>(args)...);                                                    \
+      name##_once<scalar_t>(std::forward<Args>(args)...);                                                    \
     } else {                                                                                                 \
       name##_cloned<scalar_t>(std::forward<Args>(args)...);                                                  \
     }                                                                                                        \
