@@ -11,7 +11,7 @@ import torch
 
 from deform_conv._jit import cache as _cache, toolchain as _toolchain
 
-from helpers.loader import KERNELS, check_no_local_memory, child_env
+from helpers.loader import KERNELS, check_no_local_memory, child_env, copy_current_cpu_entry
 
 
 def _why_no_cuda_build() -> str:
@@ -24,6 +24,7 @@ def _why_no_cuda_build() -> str:
 
 @pytest.mark.skipif(bool(_why_no_cuda_build()), reason=_why_no_cuda_build() or "n/a")
 def test_cuda_library_compiles_for_sm90(tmp_path):
+    copy_current_cpu_entry(tmp_path)  # this session's CPU library: only the CUDA library is left to compile
     result = subprocess.run([sys.executable, "-m", "deform_conv", "build", "--cuda-arch", "9.0"],
                             capture_output=True, text=True, env=child_env(tmp_path), timeout=1200)
     assert result.returncode == 0, result.stdout + result.stderr
