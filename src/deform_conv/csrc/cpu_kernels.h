@@ -64,7 +64,7 @@
 
 namespace deform_conv {
 
-// With GCC the library runs its parallel loops on the OpenMP runtime torch loaded (_compile.link_flags), which
+// With GCC the library runs its parallel loops on the OpenMP runtime torch loaded (_jit/compile.py: link_flags), which
 // torch.set_num_threads sets. Clang emits calls only LLVM's runtime has, so a Clang build has a runtime of its
 // own: give it torch's thread count on every call, which is per calling thread and cheap to set.
 inline void follow_torch_thread_count() {

@@ -4,10 +4,10 @@
 #include <torch/library.h>
 
 #include "deform_conv2d/cpu/brgemm.h"
-#include "deform_conv2d/cpu/deform_conv_cpu.h"
+#include "deform_conv2d/entry_points.h"
 #include "deform_conv2d/cpu/half_gemm.h"
 #include "deform_conv2d/cpu/scratch.h"
-#include "ms_deform_attn/cpu/ms_deform_attn_cpu.h"
+#include "ms_deform_attn/entry_points.h"
 #include "schemas.h"
 
 TORCH_LIBRARY(deform_conv, m) {

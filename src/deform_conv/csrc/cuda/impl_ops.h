@@ -3,8 +3,8 @@
 // Host code; `Library` is torch::Library (torch/library.h stays in the registration units).
 #pragma once
 
-#include "../deform_conv2d/cuda/deform_conv_cuda.h"
-#include "../ms_deform_attn/cuda/ms_deform_attn_cuda.h"
+#include "../deform_conv2d/entry_points.h"
+#include "../ms_deform_attn/entry_points.h"
 
 namespace deform_conv {
 namespace cuda {

@@ -4,7 +4,7 @@
 // take their own path without GEMMs (depthwise.cpp). Where the CPU multiplies the half types natively
 // (half_gemm.h), their GEMMs run in them: the forward tiled, or as oneDNN's half convolution over the driver's
 // columns, and the backward's on half GEMMs (brgemm.h); everything else of theirs runs through float32.
-#include "deform_conv_cpu.h"
+#include "../entry_points.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

@@ -14,7 +14,7 @@
 //
 // Every host entry point: validate (devices included) -> device guard -> allocate -> launch on the current
 // stream -> launch check (cuda/host.h's launch_and_check).
-#include "deform_conv_cuda.h"
+#include "../entry_points.h"
 
 #include <ATen/Context.h>
 #include <ATen/OpMathType.h>

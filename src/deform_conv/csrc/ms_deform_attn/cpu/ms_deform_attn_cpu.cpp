@@ -10,7 +10,7 @@
 // splits (image, head, level) between threads: one task owns its slice of value's gradient (that level's pixels
 // of that head) and its points' location and weight gradients, and walks its queries and points in order, so
 // every sum is taken in one fixed order: the gradients are bitwise the same for any thread count.
-#include "ms_deform_attn_cpu.h"
+#include "../entry_points.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
