@@ -190,7 +190,7 @@ def clean(stale_only: bool) -> int:
         if _variant.ENTRY_NAME.match(path.name):
             removed += 1
             print(f"removed {path}")
-    for directory in (root / "logs", root / ".locks"):
+    for directory in (root / "logs", root / ".locks", root / _cache.UNITS_DIR):
         if not stale_only and directory.is_dir() and not directory.is_symlink():
             try:
                 directory.rmdir()  # only if empty: anything else in it is not ours
