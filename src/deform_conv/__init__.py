@@ -26,7 +26,11 @@ def _load_libraries() -> _Tuple[LoadedLibrary, ...]:
     fallback = _settings.fallback_to_reference()
     loaded = []
     variants = _variant.wanted_variants()
-    failed = _loader.build_concurrently(variants)  # the CPU and CUDA compiles overlap when both are needed
+    failed = {}
+    if len(variants) > 1:  # the CPU and the CUDA library: their compiles overlap when both are needed
+        from ._jit import build as _build
+
+        failed = _build.build_concurrently(variants)
     for variant in variants:
         try:
             if variant in failed:

@@ -19,7 +19,7 @@ import torch
 
 import deform_conv
 from deform_conv._jit import cache as _cache, doctor as _doctor, loader as _loader, toolchain as _toolchain
-from deform_conv._jit import variant as _variant
+from deform_conv._jit import build as _build, variant as _variant
 
 
 def _median_ms(fn: Callable[[], object], repeats: int = 7) -> float:
@@ -138,13 +138,13 @@ def build(cuda_arch: Optional[str], cpu_only: bool) -> int:
         variants.append(_variant.Variant("cuda", archs))
     root = _loader.cache_root()
     built = {v: _loader.find_entry(v, root, _variant.environment_inputs(v), any_toolchain=False)[0] for v in variants}
-    failed = _loader.build_concurrently(tuple(variants))  # CPU and CUDA compiles overlap
+    failed = _build.build_concurrently(tuple(variants))  # CPU and CUDA compiles overlap
     for variant in variants:
         if variant in failed:
             raise failed[variant]
         found = built[variant]
         # (What build_concurrently compiled, build finds under the lock and returns.)
-        entry = found.path if found else _loader.build(variant, root, load=False)
+        entry = found.path if found else _build.build(variant, root, load=False)
         print(f"{variant.label}: {entry}{' (already built)' if found else ''}")
     return 0
 

@@ -14,7 +14,7 @@ import torch
 
 import deform_conv
 from deform_conv._jit import cache as _cache, compile as _compile, loader as _loader, progress as _progress
-from deform_conv._jit import toolchain as _toolchain, variant as _variant
+from deform_conv._jit import build as _build, toolchain as _toolchain, variant as _variant
 
 from helpers.loader import ROOT, child_env, compile_lines, fast_compiler
 
@@ -167,7 +167,7 @@ def test_asan_build_without_the_preloaded_runtime_is_refused_before_compiling(mo
     monkeypatch.setenv("DEFORM_CONV_SANITIZE", "1")
     remedy = r'LD_PRELOAD="\$\(\S+ -print-file-name=libasan.so\) \$\(\S+ -print-file-name=libstdc\+\+.so\)"'
     with pytest.raises(_loader.BuildError, match=r"(?s)AddressSanitizer runtime preloaded.*Remedy: run with " + remedy):
-        _loader.build(_variant.cpu_variant(), tmp_path)
+        _build.build(_variant.cpu_variant(), tmp_path)
     assert not (tmp_path / "logs").exists()  # nothing compiled
 
 

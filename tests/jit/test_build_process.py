@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import deform_conv
-from deform_conv._jit import cache as _cache, compile as _compile, loader as _loader, variant as _variant
+from deform_conv._jit import build as _build, cache as _cache, compile as _compile, loader as _loader
+from deform_conv._jit import variant as _variant
 
 from helpers.loader import IMPORT_AND_REPORT, child_env, compile_lines, fast_compiler, run_python
 
@@ -167,7 +168,7 @@ def test_a_file_system_without_locks_gets_its_own_remedy(tmp_path, monkeypatch, 
     monkeypatch.setattr(fcntl, "flock", no_locks)
     with pytest.raises(_loader.BuildError, match=r"(?s)does not support file locks \(ENOLCK\).*Remedy: put the "
                                                  r"cache on a local disk"):
-        _loader.build(_variant.Variant("cpu"), tmp_path / "cache", load=False)
+        _build.build(_variant.Variant("cpu"), tmp_path / "cache", load=False)
 
 
 def failed(returncode: int = 1, jobs: int = 4) -> _compile.CompileFailed:

@@ -170,7 +170,7 @@ def unit_seconds(directory: Path, since: float) -> Dict[str, float]:
     return dict(sorted(took.items(), key=lambda item: -item[1]))
 
 
-# The compiles running now, in any thread (loader.build_concurrently runs two at once).
+# The compiles running now, in any thread (build.build_concurrently runs two at once).
 _running: Set[subprocess.Popen] = set()
 
 
