@@ -158,8 +158,11 @@ def _build_locked(variant: Variant, root: Path, load: bool, show_progress: bool)
 
         private = Path(tempfile.mkdtemp(prefix=f".build-{entry.name}-", dir=root))
         try:
-            reused = _seed_from_earlier_build(variant, environment, entry, private, root)
-            seconds = _compile_into(variant, environment, tools, entry, private, reused, show_progress)
+            # Hashed once, before anything is compiled: a source saved while the compile runs must make the next
+            # build compile its unit again, not reuse an object built from what was there before.
+            hashes = _variant.unit_sha256(variant)
+            reused = _seed_from_earlier_build(variant, environment, hashes, entry, private, root)
+            seconds = _compile_into(variant, environment, tools, hashes, entry, private, reused, show_progress)
             published = _publish(private, entry, environment, root)
         finally:
             if private.exists():
@@ -174,8 +177,8 @@ def _build_locked(variant: Variant, root: Path, load: bool, show_progress: bool)
 _SOURCE_INPUTS = ("package_version", "sources_sha256", "units")
 
 
-def _seed_from_earlier_build(variant: Variant, environment: Dict[str, object], entry: Path, private: Path,
-                             root: Path) -> List[str]:
+def _seed_from_earlier_build(variant: Variant, environment: Dict[str, object], hashes: Dict[str, str], entry: Path,
+                             private: Path, root: Path) -> List[str]:
     """Starts the build in ``private`` from the newest trusted entry built for the same variant, flags, torch and
     toolchain from other sources (a source edited during development, a package upgrade): the objects of its units
     whose sources and headers are unchanged are copied over, so that only the others are compiled. Returns the
@@ -193,14 +196,16 @@ def _seed_from_earlier_build(variant: Variant, environment: Dict[str, object], e
     if not earlier:
         return []
     _mtime, directory, their_hashes = max(earlier, key=lambda found: found[0])
-    ours = _variant.unit_sha256(variant)
-    unchanged = [_variant.unit_file_name(variant, unit) for unit, digest in ours.items()
+    unchanged = [_variant.unit_file_name(variant, unit) for unit, digest in hashes.items()
                  if their_hashes.get(unit) == digest]
-    return [_variant.unit_of(f) for f in _cache.seed_build(directory, private, unchanged)]
+    try:
+        return [_variant.unit_of(f) for f in _cache.seed_build(directory, private, unchanged)]
+    except OSError:  # the earlier entry went away meanwhile (another process's `clean`): compile everything
+        return []
 
 
-def _compile_into(variant: Variant, environment: Dict[str, object], tools: Dict[str, str], entry: Path,
-                  private: Path, reused: List[str], show_progress: bool) -> float:
+def _compile_into(variant: Variant, environment: Dict[str, object], tools: Dict[str, str], hashes: Dict[str, str],
+                  entry: Path, private: Path, reused: List[str], show_progress: bool) -> float:
     """Compiles into ``private`` (where the objects of the units ``reused`` already lie) and writes its key.json
     last; returns the compile's duration."""
     import time
@@ -233,7 +238,7 @@ def _compile_into(variant: Variant, environment: Dict[str, object], tools: Dict[
         # What this build compiled and linked, slowest first (doctor and the self-check show them), what it reused.
         "unit_seconds": {n: round(s, 1) for n, s in _compile.unit_seconds(private, started).items()},
         "reused_units": sorted(reused),
-        "unit_sha256": _variant.unit_sha256(variant),
+        "unit_sha256": hashes,
     }
     _cache.write_new_file(private / _cache.KEY_FILE, (json.dumps(key, indent=2, sort_keys=True) + "\n").encode())
     return timer.seconds

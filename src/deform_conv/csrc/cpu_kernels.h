@@ -5,7 +5,6 @@
 #include <ATen/Parallel.h>
 
 #include <type_traits>
-#include <utility>
 
 #if defined(__clang__) && defined(_OPENMP)
 #include <omp.h>
@@ -43,22 +42,25 @@
 // loops stay loops, not calls), while the other dtypes get the DC_CPU_DISPATCH clones: float64 serves exact checks
 // and gradcheck, not speed, and two more copies of every kernel cost seconds of every build (the results are the
 // same: no copy reorders any arithmetic). The kernel is written as the template `name##_body<scalar_t>(...)`;
-// DC_CPU_KERNEL(name) defines `name<scalar_t>(...)`.
+// DC_CPU_KERNEL(name) defines `name<scalar_t>(...)`. Its arguments are passed on by value (pointers, the small
+// parameter structs), so that a pointer passed as an lvalue and one computed in the call do not instantiate two
+// copies of the kernel. Every copy is compiled without trapping math (DC_VECTORIZE_COMPARISONS), as the sampling
+// passes' were: it changes no value.
 #define DC_CPU_KERNEL(name)                                                                                  \
   template <typename scalar_t, typename... Args>                                                             \
-  DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void name##_cloned(Args&&... args) {                              \
-    name##_body<scalar_t>(std::forward<Args>(args)...);                                                      \
+  DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void name##_cloned(Args... args) {                                \
+    name##_body<scalar_t>(args...);                                                                          \
   }                                                                                                          \
   template <typename scalar_t, typename... Args>                                                             \
-  DC_FLATTEN DC_VECTORIZE_COMPARISONS void name##_once(Args&&... args) {                                     \
-    name##_body<scalar_t>(std::forward<Args>(args)...);                                                      \
+  DC_FLATTEN DC_VECTORIZE_COMPARISONS void name##_once(Args... args) {                                       \
+    name##_body<scalar_t>(args...);                                                                          \
   }                                                                                                          \
   template <typename scalar_t, typename... Args>                                                             \
-  void name(Args&&... args) {                                                                                \
+  void name(Args... args) {                                                                                  \
     if constexpr (std::is_same_v<scalar_t, double>) {                                                        \
-      name##_once<scalar_t>(std::forward<Args>(args)...);                                                    \
+      name##_once<scalar_t>(args...);                                                                        \
     } else {                                                                                                 \
-      name##_cloned<scalar_t>(std::forward<Args>(args)...);                                                  \
+      name##_cloned<scalar_t>(args...);                                                                      \
     }                                                                                                        \
   }
 
