@@ -6,15 +6,25 @@ runs (``loader.load``, the command line), never by a warm import.
 
 from __future__ import annotations
 
+# Everything the build path needs is imported here, by the thread that imports the package, never lazily inside
+# a build: build_concurrently's threads run while `import deform_conv` is still executing the package's __init__,
+# and a thread that imported one of the package's modules then could wait for ever on the import lock.
+import concurrent.futures
 import errno
+import fcntl
 import json
 import os
+import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List, Tuple, Union
 
 import torch
 
-from . import cache as _cache, settings as _settings, toolchain as _toolchain, variant as _variant
+from filelock import FileLock, Timeout
+
+from . import cache as _cache, compile as _compile, settings as _settings, toolchain as _toolchain
+from . import variant as _variant
 from .cache import EntryState
 from .errors import BuildError
 from .loader import (LoadedLibrary, _key_mtime, _load, _tool_paths, can_build, cache_root, find_entry,
@@ -34,7 +44,8 @@ def _needs_build(variant: Variant) -> bool:
         return False
     if not can_build(variant, root):
         return False
-    found, _skipped = find_entry(variant, root, environment, any_toolchain=False, warn=False)
+    # Without hashing the library: load() hashes it once more anyway (and rebuilds it, on its own, if damaged).
+    found, _skipped = find_entry(variant, root, environment, any_toolchain=False, warn=False, hash_library=False)
     return found is None
 
 
@@ -49,8 +60,6 @@ def build_concurrently(variants: Tuple[Variant, ...]) -> Dict[Variant, BuildErro
         return {}  # load() meets the same problem and says it
     if len(missing) < 2:
         return {}
-    import concurrent.futures
-
     missing.sort(key=lambda v: v.kind != "cuda")
     root = cache_root()
     labels = " and the ".join(v.label for v in missing)
@@ -65,8 +74,6 @@ def build_concurrently(variants: Tuple[Variant, ...]) -> Dict[Variant, BuildErro
                 except BuildError as error:
                     failures[variant] = error
         except BaseException:  # KeyboardInterrupt: the compiles must not run on without us
-            from . import compile as _compile
-
             _compile.stop_all()
             raise
     return failures
@@ -105,8 +112,6 @@ def build(variant: Variant, root: Path, load: bool = True, show_progress: bool =
 def _check_locks_work(lock_file: Path) -> None:
     """Raises OSError(ENOLCK) where the file system has no locks. filelock itself would take such an error for
     "held by another process" (some releases) and wait for ever, or raise NotImplementedError (ENOSYS)."""
-    import fcntl
-
     fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -120,8 +125,6 @@ def _check_locks_work(lock_file: Path) -> None:
 
 
 def _acquire(lock, variant: Variant, entry: Path) -> None:
-    from filelock import Timeout
-
     _check_locks_work(Path(lock.lock_file))
     try:
         lock.acquire(timeout=0)
@@ -140,8 +143,6 @@ def _acquire(lock, variant: Variant, entry: Path) -> None:
 
 
 def _build_locked(variant: Variant, root: Path, load: bool, show_progress: bool) -> Union[LoadedLibrary, Path]:
-    from filelock import FileLock
-
     environment = environment_inputs(variant)
     tools = toolchain_inputs(variant, root, environment)
     assert tools is not None  # check_prerequisites found every tool
@@ -154,8 +155,6 @@ def _build_locked(variant: Variant, root: Path, load: bool, show_progress: bool)
             return _load(variant, state) if load else entry
         for stale in _cache.stale_builds(root, entry.name):
             _cache.discard(stale, root)
-        import tempfile  # the build path's modules are imported only when it runs: the warm import stays short
-
         private = Path(tempfile.mkdtemp(prefix=f".build-{entry.name}-", dir=root))
         try:
             # Hashed once, before anything is compiled: a source saved while the compile runs must make the next
@@ -208,10 +207,6 @@ def _compile_into(variant: Variant, environment: Dict[str, object], tools: Dict[
                   entry: Path, private: Path, reused: List[str], show_progress: bool) -> float:
     """Compiles into ``private`` (where the objects of the units ``reused`` already lie) and writes its key.json
     last; returns the compile's duration."""
-    import time
-
-    from . import compile as _compile
-
     cuda = f" / CUDA {torch.version.cuda}" if variant.kind == "cuda" else ""
     again = f", reusing {len(reused)} of {len(variant.units)} units of an earlier build" if reused else ""
     say(f"compiling the {variant.label} for torch {torch.__version__}{cuda} into {entry} "

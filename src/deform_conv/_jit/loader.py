@@ -128,7 +128,7 @@ def _warn_untrusted(state: EntryState) -> None:
 
 
 def find_entry(variant: Variant, root: Path, environment: Dict[str, object], any_toolchain: bool,
-               warn: bool = True) -> Tuple[Optional[EntryState], List[EntryState]]:
+               warn: bool = True, hash_library: bool = True) -> Tuple[Optional[EntryState], List[EntryState]]:
     """The usable entry for this variant, and the untrusted ones skipped on the way (each with a warning): the
     entry built by the compiler on PATH, or, with ``any_toolchain`` (no compiler, or a cache that cannot be
     written: the compiler matters only when building), any trusted entry built for exactly this environment, the
@@ -140,7 +140,7 @@ def find_entry(variant: Variant, root: Path, environment: Dict[str, object], any
     others = [p for p in root.glob(entry_prefix(variant, environment) + "-*") if p != exact] if any_toolchain else []
     skipped = []
     for directory in ([exact] if exact is not None else []) + sorted(others, key=_key_mtime, reverse=True):
-        state = _cache.inspect_entry(directory, environment)
+        state = _cache.inspect_entry(directory, environment, hash_library=hash_library)
         if state.usable:
             return state, skipped
         if state.untrusted:
