@@ -79,20 +79,16 @@ def units(kind, csrc):
                                        if s not in apart)
         found["ops"] = (CPU_REGISTRATION,)
         return found
-    if kind == "cuda":
-        found = {f"{op}_kernels": _listed(csrc, f"{op}/cuda", ".cu") for op in OPS}
-        found["ops_cuda"] = CUDA_REGISTRATION
+    if kind in ("cuda", "cuda_simulation"):
+        # Each op's CUDA kernels (.cu) and its CUDA host code as it is, with the library's registration. The
+        # simulation compiles the kernels with the host compiler against its execution layer (unit_text defines
+        # DEFORM_CONV_CUDA_SIMULATION for them), which registers them into deform_conv_sim (cuda_simulation/).
+        simulated = kind == "cuda_simulation"
+        kernels, host = ("_simulated_kernels", "_simulated_host") if simulated else ("_kernels", "_cuda")
+        found = {op + kernels: _listed(csrc, f"{op}/cuda", ".cu") for op in OPS}
+        found["simulation" if simulated else "ops_cuda"] = SIMULATION_LAYER if simulated else CUDA_REGISTRATION
         for op in OPS:
-            found[f"{op}_cuda"] = _listed(csrc, op, ".cpp") + _listed(csrc, f"{op}/cuda", ".cpp")
-        return {name: sources for name, sources in found.items() if sources}
-    if kind == "cuda_simulation":
-        # The CUDA backends' host code as it is, and their kernels (.cu) compiled by the host compiler against the
-        # simulation's execution layer (unit_text defines DEFORM_CONV_CUDA_SIMULATION for them), registered into
-        # deform_conv_sim by the layer (cuda_simulation/ops_sim.cpp).
-        found = {f"{op}_simulated_kernels": _listed(csrc, f"{op}/cuda", ".cu") for op in OPS}
-        found["simulation"] = SIMULATION_LAYER
-        for op in OPS:
-            found[f"{op}_simulated_host"] = _listed(csrc, op, ".cpp") + _listed(csrc, f"{op}/cuda", ".cpp")
+            found[op + host] = _listed(csrc, op, ".cpp") + _listed(csrc, f"{op}/cuda", ".cpp")
         return {name: sources for name, sources in found.items() if sources}
     raise ValueError(f"unknown library kind {kind!r}")
 
