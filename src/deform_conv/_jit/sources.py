@@ -21,8 +21,13 @@ import os
 CSRC_DIR = "csrc"  # relative to the package directory
 
 # The ops, each a folder csrc/<op>/ laid out as above; adding an op is adding its folder and its name here (and its
-# schema in csrc/schemas.h, registered in ops.cpp and ops_cuda.cpp).
-OPS = ("deform_conv2d", "ms_deform_attn")
+# schema in csrc/schemas.h, registered in ops.cpp and cuda/impl_ops.h).
+OPS = ("deform_conv2d", "ms_deform_attn", "dcnv3", "dcnv4", "flash_deform_attn")
+
+# Kernels shared by a family of ops, each a folder csrc/<kernels>/ laid out as an op's, with the ops built on them.
+# Those ops have no kernels of their own: their host code (csrc/<op>/*.cpp, written once for every backend) is
+# compiled in their kernels' units, so that a family costs each library one unit's headers, not one per op.
+SHARED_KERNELS = {"sampled_sum": ("dcnv3", "dcnv4", "flash_deform_attn")}
 
 # Sources of an op's CPU kernels compiled as a unit of their own (<op>_cpu_sampling), apart from the op's other
 # CPU sources: code generation, not headers, is what these cost (their loops are compiled for three instruction
@@ -65,18 +70,36 @@ def _listed(csrc, folder, suffix):
     return tuple(f"{folder}/{name}" for name in sorted(os.listdir(directory)) if name.endswith(suffix))
 
 
+def _unit_folders():
+    """{unit prefix: the folders of csrc/ compiled in its units}: an op on its own, or shared kernels with the ops
+    built on them."""
+    joined = {op for ops in SHARED_KERNELS.values() for op in ops}
+    folders = {op: (op,) for op in OPS if op not in joined}
+    folders.update({kernels: (kernels, *ops) for kernels, ops in SHARED_KERNELS.items()})
+    return folders
+
+
+def _sources(csrc, folders, subfolder, suffix):
+    """The sources of `folders` in csrc/<folder>/ (subfolder None) or csrc/<folder>/<subfolder>/, in that order."""
+    found = ()
+    for folder in folders:
+        found += _listed(csrc, folder if subfolder is None else f"{folder}/{subfolder}", suffix)
+    return found
+
+
 def units(kind, csrc):
     """The translation units of library ``kind`` ("cpu", "cuda" or "cuda_simulation"): {unit name: sources
     relative to ``csrc``}, the longest first (ninja starts them in this order): the CUDA kernels, the CPU kernels,
     the registration."""
+    folders = _unit_folders()
     if kind == "cpu":
         found = {}
-        for op in OPS:
-            apart = tuple(f"{op}/{name}" for name in CPU_SAMPLING_UNITS.get(op, ()))
+        for prefix, fs in folders.items():
+            apart = tuple(f"{prefix}/{name}" for name in CPU_SAMPLING_UNITS.get(prefix, ()))
             if apart:
-                found[f"{op}_cpu_sampling"] = apart
-            found[f"{op}_cpu"] = tuple(s for s in _listed(csrc, op, ".cpp") + _listed(csrc, f"{op}/cpu", ".cpp")
-                                       if s not in apart)
+                found[f"{prefix}_cpu_sampling"] = apart
+            found[f"{prefix}_cpu"] = tuple(s for s in _sources(csrc, fs, None, ".cpp") + _sources(csrc, fs, "cpu", ".cpp")
+                                           if s not in apart)
         found["ops"] = (CPU_REGISTRATION,)
         return found
     if kind in ("cuda", "cuda_simulation"):
@@ -85,10 +108,10 @@ def units(kind, csrc):
         # DEFORM_CONV_CUDA_SIMULATION for them), which registers them into deform_conv_sim (cuda_simulation/).
         simulated = kind == "cuda_simulation"
         kernels, host = ("_simulated_kernels", "_simulated_host") if simulated else ("_kernels", "_cuda")
-        found = {op + kernels: _listed(csrc, f"{op}/cuda", ".cu") for op in OPS}
+        found = {prefix + kernels: _sources(csrc, fs, "cuda", ".cu") for prefix, fs in folders.items()}
         found["simulation" if simulated else "ops_cuda"] = SIMULATION_LAYER if simulated else CUDA_REGISTRATION
-        for op in OPS:
-            found[op + host] = _listed(csrc, op, ".cpp") + _listed(csrc, f"{op}/cuda", ".cpp")
+        for prefix, fs in folders.items():
+            found[prefix + host] = _sources(csrc, fs, None, ".cpp") + _sources(csrc, fs, "cuda", ".cpp")
         return {name: sources for name, sources in found.items() if sources}
     raise ValueError(f"unknown library kind {kind!r}")
 

@@ -7,6 +7,6 @@ formula and autocast rule with the library's schemas, and routes calls on ``devi
 {"cpu"}) to the compiled kernels; other devices run the op's pure-PyTorch reference.
 """
 
-from . import deform_conv2d, ms_deform_attn
+from . import dcnv3, deform_conv2d, ms_deform_attn
 
-OPS = (deform_conv2d, ms_deform_attn)
+OPS = (deform_conv2d, ms_deform_attn, dcnv3)

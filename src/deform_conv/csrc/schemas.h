@@ -33,4 +33,42 @@ constexpr const char* kMsDeformAttnBackwardSchema =
     "Tensor sampling_locations, Tensor attention_weights) "
     "-> (Tensor grad_value, Tensor grad_sampling_locations, Tensor grad_attention_weights)";
 
+// DCNv3 (InternImage): input [N, H, W, group * C], offset [N, H_out, W_out, group * K * 2] ((x, y) per point), mask
+// [N, H_out, W_out, group * K] -> [N, H_out, W_out, group * C], K = kh * kw - remove_center (sampled_sum/points.h
+// has the grid). offset and mask may be float32 beside a float16/bfloat16 input.
+constexpr const char* kDcnv3Schema =
+    "dcnv3(Tensor input, Tensor offset, Tensor mask, int[2] kernel_size, int[2] stride, int[2] padding, "
+    "int[2] dilation, int group, float offset_scale, bool remove_center) -> Tensor";
+constexpr const char* kDcnv3BackwardSchema =
+    "dcnv3_backward(Tensor grad_output, Tensor input, Tensor offset, Tensor mask, int[2] kernel_size, int[2] stride, "
+    "int[2] padding, int[2] dilation, int group, float offset_scale, bool remove_center) "
+    "-> (Tensor grad_input, Tensor grad_offset, Tensor grad_mask)";
+
+// DCNv4: input [N, H, W, group * C], offset_mask [N, H_out, W_out, P], P >= group * K * 3 (each group's 2K offsets
+// then its K mask values; with softmax, the mask values are logits) -> [N, H_out, W_out, group * C].
+constexpr const char* kDcnv4Schema =
+    "dcnv4(Tensor input, Tensor offset_mask, int[2] kernel_size, int[2] stride, int[2] padding, int[2] dilation, "
+    "int group, float offset_scale, bool remove_center, bool softmax) -> Tensor";
+constexpr const char* kDcnv4BackwardSchema =
+    "dcnv4_backward(Tensor grad_output, Tensor input, Tensor offset_mask, int[2] kernel_size, int[2] stride, "
+    "int[2] padding, int[2] dilation, int group, float offset_scale, bool remove_center, bool softmax) "
+    "-> (Tensor grad_input, Tensor grad_offset_mask)";
+
+// FlashDeformAttn (DCNv4): value [N, S, group, D], spatial_shapes [L, 2], level_start_index [L], sampling_loc_attn
+// [N, Lq, group, L * n_points * 3] (L * n_points (x, y) locations, then as many logits under one softmax)
+// -> [N, Lq, group * D].
+constexpr const char* kFlashDeformAttnSchema =
+    "flash_deform_attn(Tensor value, Tensor spatial_shapes, Tensor level_start_index, Tensor sampling_loc_attn, "
+    "int n_points) -> Tensor";
+constexpr const char* kFlashDeformAttnBackwardSchema =
+    "flash_deform_attn_backward(Tensor grad_output, Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
+    "Tensor sampling_loc_attn, int n_points) -> (Tensor grad_value, Tensor grad_sampling_loc_attn)";
+
+// Every op's schema, for the units that define them (ops.cpp, cuda_simulation/ops_sim.cpp).
+constexpr const char* kSchemas[] = {
+    kDeformConv2dSchema, kDeformConv2dBackwardSchema, kMsDeformAttnSchema, kMsDeformAttnBackwardSchema,
+    kDcnv3Schema,        kDcnv3BackwardSchema,        kDcnv4Schema,        kDcnv4BackwardSchema,
+    kFlashDeformAttnSchema, kFlashDeformAttnBackwardSchema,
+};
+
 }  // namespace deform_conv

@@ -50,3 +50,29 @@ def _check_tensor(t: object, name: str, dims: int, layout: str) -> None:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     if t.dim() != dims:
         raise ValueError(f"{name} must be a {dims}-D tensor {layout}, got a {t.dim()}-D tensor of shape {_shape(t)}")
+
+
+def check_point_dtype(t: Tensor, name: str, value: Tensor, value_name: str) -> None:
+    """Coordinates (offsets, locations) and point weights: the value's dtype, or float32 beside a float16/bfloat16
+    value (coordinates are never rounded to a half type)."""
+    half = value.dtype in (torch.float16, torch.bfloat16)
+    if t.dtype != value.dtype and not (half and t.dtype == torch.float32):
+        also = " or float32" if half else ""
+        raise TypeError(f"{name} must have {value_name}'s dtype {value.dtype}{also}, got {t.dtype}")
+
+
+def check_same_device(tensors, value: Tensor, value_name: str) -> None:
+    """Each (tensor, name) on ``value``'s device."""
+    for t, name in tensors:
+        if t.device != value.device:
+            raise ValueError(f"{name} must be on {value_name}'s device {value.device}, got {t.device}")
+
+
+def check_grad_output(grad_output: Tensor, value: Tensor, value_name: str, expected: Tuple[int, ...]) -> None:
+    """A backward's grad_output: dense, the value's dtype and device, the forward output's shape."""
+    _check_tensor(grad_output, "grad_output", len(expected), "(the forward output's shape)")
+    if grad_output.dtype != value.dtype:
+        raise TypeError(f"grad_output must have {value_name}'s dtype {value.dtype}, got {grad_output.dtype}")
+    check_same_device(((grad_output, "grad_output"),), value, value_name)
+    if _shape(grad_output) != tuple(expected):
+        raise ValueError(f"grad_output must have shape {tuple(expected)}, got {_shape(grad_output)}")

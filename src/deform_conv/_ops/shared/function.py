@@ -34,3 +34,13 @@ def in_onnx_export() -> bool:
     """Whether torch.onnx.export is running. Never imports torch.onnx (~26 ms): an export has imported it."""
     onnx = sys.modules.get("torch.onnx")
     return onnx is not None and onnx.is_in_onnx_export()
+
+
+def autocast_coordinates(t, value_dtype: torch.dtype):
+    """The autocast rule for coordinates (offsets, locations) and point weights beside a value cast to
+    ``value_dtype``: never rounded to a half type. A float32 tensor stays float32; a tensor of another half type
+    than the value's becomes float32."""
+    if isinstance(t, Tensor) and t.is_floating_point() and t.dtype not in (value_dtype, torch.float32):
+        if value_dtype in (torch.float16, torch.bfloat16):
+            return t.float()
+    return t

@@ -3,7 +3,10 @@
 // Host code; `Library` is torch::Library (torch/library.h stays in the registration units).
 #pragma once
 
+#include "../dcnv3/entry_points.h"
+#include "../dcnv4/entry_points.h"
 #include "../deform_conv2d/entry_points.h"
+#include "../flash_deform_attn/entry_points.h"
 #include "../ms_deform_attn/entry_points.h"
 
 namespace deform_conv {
@@ -15,6 +18,12 @@ void impl_ops(Library& m) {
   m.impl("deform_conv2d_backward", &deform_conv2d_backward);
   m.impl("ms_deform_attn", &ms_deform_attn_forward);
   m.impl("ms_deform_attn_backward", &ms_deform_attn_backward);
+  m.impl("dcnv3", &dcnv3_forward);
+  m.impl("dcnv3_backward", &dcnv3_backward);
+  m.impl("dcnv4", &dcnv4_forward);
+  m.impl("dcnv4_backward", &dcnv4_backward);
+  m.impl("flash_deform_attn", &flash_deform_attn_forward);
+  m.impl("flash_deform_attn_backward", &flash_deform_attn_backward);
 }
 
 }  // namespace cuda

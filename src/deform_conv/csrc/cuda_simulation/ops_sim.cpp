@@ -21,10 +21,7 @@ void configure(int64_t int32_limit, bool shuffle_blocks, int64_t seed, int64_t b
 }  // namespace
 
 TORCH_LIBRARY(deform_conv_sim, m) {
-  m.def(deform_conv::kDeformConv2dSchema);
-  m.def(deform_conv::kDeformConv2dBackwardSchema);
-  m.def(deform_conv::kMsDeformAttnSchema);
-  m.def(deform_conv::kMsDeformAttnBackwardSchema);
+  for (const char* schema : deform_conv::kSchemas) m.def(schema);
   m.def("configure(int int32_limit, bool shuffle_blocks, int seed, int budget_bytes, int max_blocks) -> ()",
         &configure);
   // [launches, blocks, threads, shuffles, launches with 32-bit indices, launches with 64-bit indices] so far.

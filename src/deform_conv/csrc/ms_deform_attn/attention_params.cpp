@@ -15,7 +15,9 @@ void check_device(const at::Tensor& t, const char* name, const at::Tensor& value
               t.device());
 }
 
-void check_levels(const at::Tensor& spatial_shapes, const at::Tensor& level_start_index, int64_t pixels) {
+}  // namespace
+
+void check_level_values(const at::Tensor& spatial_shapes, const at::Tensor& level_start_index, int64_t pixels) {
   const at::Tensor shapes = spatial_shapes.contiguous();
   const at::Tensor starts = level_start_index.contiguous();
   const int64_t* hw = shapes.const_data_ptr<int64_t>();
@@ -35,8 +37,6 @@ void check_levels(const at::Tensor& spatial_shapes, const at::Tensor& level_star
   TORCH_CHECK(expected == pixels, "value.shape[1] must be the levels' pixel count sum(H_l * W_l) = ", expected,
               " from spatial_shapes, got ", pixels);
 }
-
-}  // namespace
 
 AttentionParams make_attention_params(const at::Tensor& value, const at::Tensor& spatial_shapes,
                                       const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
@@ -82,7 +82,7 @@ AttentionParams make_attention_params(const at::Tensor& value, const at::Tensor&
   const std::vector<int64_t> weights{p.batch, p.queries, p.heads, p.levels, p.points};
   TORCH_CHECK(attention_weights.sizes() == c10::IntArrayRef(weights), "attention_weights must have shape ",
               c10::IntArrayRef(weights), " [batch, queries, heads, levels, points], got ", attention_weights.sizes());
-  if (check_level_values) check_levels(spatial_shapes, level_start_index, p.pixels);
+  if (check_level_values) deform_conv::check_level_values(spatial_shapes, level_start_index, p.pixels);
   return p;
 }
 

@@ -19,6 +19,10 @@ AttentionParams make_attention_params(const at::Tensor& value, const at::Tensor&
                                       const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
                                       const at::Tensor& attention_weights, bool check_level_values);
 
+// The values of spatial_shapes [L, 2] and level_start_index [L] (host tensors): levels at least 1x1, one after
+// another, filling value's `pixels`. Used by every op with levels (FlashDeformAttn's too).
+void check_level_values(const at::Tensor& spatial_shapes, const at::Tensor& level_start_index, int64_t pixels);
+
 void check_attention_grad_output(const AttentionParams& p, const at::Tensor& grad_output, const at::Tensor& value);
 
 }  // namespace deform_conv

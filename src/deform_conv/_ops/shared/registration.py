@@ -1,0 +1,41 @@
+"""How an op's Python parts are registered with its schema once the library that defines it is loaded: the fake
+kernels, the autograd formula (its backward an op of its own), the refusal of double backward and the autocast
+kernel. Written once for the ops of the DCNv3/DCNv4 family (each op's ``function.py`` says what to register)."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import torch
+
+# Holds the autocast registrations for as long as the process runs (dropping a Library unregisters them).
+_libraries: List[torch.library.Library] = []
+_registered: Dict[str, bool] = {}
+
+
+def _no_double_backward(name: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{name} does not support double backward: its gradient is not differentiable "
+            "(do not pass create_graph=True through it, e.g. for gradient penalties)"
+        )
+
+    return backward
+
+
+def register_op(name: str, forward_fake: Callable, backward_fake: Callable, backward: Callable,
+                setup_context: Callable, autocast_kernel: Callable[[str], Callable]) -> None:
+    """Registers op ``deform_conv::<name>`` and ``<name>_backward``'s Python parts, once. ``autocast_kernel(device
+    type)`` returns the op's kernel under autocast on that device."""
+    if _registered.get(name):
+        return
+    torch.library.register_fake(f"deform_conv::{name}", forward_fake)
+    torch.library.register_fake(f"deform_conv::{name}_backward", backward_fake)
+    torch.library.register_autograd(f"deform_conv::{name}", backward, setup_context=setup_context)
+    torch.library.register_autograd(f"deform_conv::{name}_backward", _no_double_backward(name),
+                                    setup_context=lambda ctx, inputs, output: None)
+    library = torch.library.Library("deform_conv", "IMPL")
+    for device_type, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
+        library.impl(name, autocast_kernel(device_type), key)
+    _libraries.append(library)
+    _registered[name] = True

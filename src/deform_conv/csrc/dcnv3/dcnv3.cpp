@@ -1,0 +1,128 @@
+#include "dcnv3.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <string>
+
+#include "../sampled_sum/checks.h"
+
+namespace deform_conv {
+namespace {
+
+void check_pair(at::IntArrayRef pair, const char* name, int64_t minimum) {
+  TORCH_CHECK(pair.size() == 2, name, " must be a pair (height, width), got ", pair);
+  TORCH_CHECK(pair[0] >= minimum && pair[1] >= minimum, name, " must be >= ", minimum, " in both dimensions, got ",
+              pair);
+}
+
+// An int64 [levels, 2] or [levels] table on `like`'s device.
+at::Tensor long_table(std::initializer_list<int64_t> values, c10::IntArrayRef shape, const at::Tensor& like) {
+  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(at::kLong));
+  int64_t* data = t.mutable_data_ptr<int64_t>();
+  for (int64_t v : values) *data++ = v;
+  return t.to(like.device());
+}
+
+}  // namespace
+
+ConvGrid make_dcnv3_grid(const at::Tensor& input, at::IntArrayRef kernel_size, at::IntArrayRef stride,
+                         at::IntArrayRef padding, at::IntArrayRef dilation, int64_t group, double offset_scale,
+                         bool remove_center) {
+  family::check_dense(input, "input", 4, "[N, H, W, group * group_channels]");
+  family::check_value_dtype(input, "input");
+  check_pair(kernel_size, "kernel_size", 1);
+  check_pair(stride, "stride", 1);
+  check_pair(padding, "padding", 0);
+  check_pair(dilation, "dilation", 1);
+  TORCH_CHECK(group >= 1, "group must be >= 1, got ", group);
+  TORCH_CHECK(input.size(3) % group == 0, "input's channels (input.shape[3] = ", input.size(3),
+              ") must be divisible by group = ", group);
+  TORCH_CHECK(std::isfinite(offset_scale), "offset_scale must be finite, got ", offset_scale);
+  TORCH_CHECK(!remove_center || (kernel_size[0] % 2 == 1 && kernel_size[1] % 2 == 1),
+              "remove_center needs an odd kernel_size in both dimensions, got ", kernel_size);
+  ConvGrid g{kernel_size[0], kernel_size[1], stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
+             offset_scale, remove_center, input.size(1), input.size(2)};
+  // The span of the kernel and the padded size, overflow-checked (the Python checks bound them first).
+  const int64_t span_h = family::checked_mul_add(g.dilation_h, g.kernel_h - 1, 1, "dilation[0] * (kernel_size[0] - 1)");
+  const int64_t span_w = family::checked_mul_add(g.dilation_w, g.kernel_w - 1, 1, "dilation[1] * (kernel_size[1] - 1)");
+  const int64_t padded_h = family::checked_mul_add(2, g.pad_h, g.height, "height + 2 * padding[0]");
+  const int64_t padded_w = family::checked_mul_add(2, g.pad_w, g.width, "width + 2 * padding[1]");
+  TORCH_CHECK(padded_h >= span_h && padded_w >= span_w, "the kernel (", span_h, "x", span_w,
+              " pixels with dilation) must fit in the padded input (", padded_h, "x", padded_w, ")");
+  return g;
+}
+
+GridCall grid_call(const ConvGrid& grid, const at::Tensor& input, int64_t group) {
+  const int64_t batch = input.size(0), channels = input.size(3);
+  return {input.contiguous().view({batch, grid.height * grid.width, group, channels / group}),
+          long_table({grid.height, grid.width}, {1, 2}, input), long_table({0}, {1}, input),
+          at::zeros({grid.points()}, input.options().dtype(at::kLong))};
+}
+
+namespace {
+
+ConvGrid checked_dcnv3(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
+                       at::IntArrayRef kernel_size, at::IntArrayRef stride, at::IntArrayRef padding,
+                       at::IntArrayRef dilation, int64_t group, double offset_scale, bool remove_center) {
+  const ConvGrid g =
+      make_dcnv3_grid(input, kernel_size, stride, padding, dilation, group, offset_scale, remove_center);
+  family::check_dense(offset, "offset", 4, "[N, H_out, W_out, group * K * 2]");
+  family::check_dense(mask, "mask", 4, "[N, H_out, W_out, group * K]");
+  family::check_point_dtype(offset, "offset", input, "input");
+  family::check_point_dtype(mask, "mask", input, "input");
+  family::check_device(offset, "offset", input, "input");
+  family::check_device(mask, "mask", input, "input");
+  const int64_t batch = input.size(0), points = group * g.points();
+  family::check_shape(offset, "offset", {batch, g.out_height(), g.out_width(), points * 2},
+                      "[N, H_out, W_out, group * K * 2]");
+  family::check_shape(mask, "mask", {batch, g.out_height(), g.out_width(), points}, "[N, H_out, W_out, group * K]");
+  return g;
+}
+
+}  // namespace
+
+at::Tensor dcnv3_forward(const SampledSumKernels& kernels, const at::Tensor& input, const at::Tensor& offset,
+                         const at::Tensor& mask, at::IntArrayRef kernel_size, at::IntArrayRef stride,
+                         at::IntArrayRef padding, at::IntArrayRef dilation, int64_t group, double offset_scale,
+                         bool remove_center) {
+  const ConvGrid g =
+      checked_dcnv3(input, offset, mask, kernel_size, stride, padding, dilation, group, offset_scale, remove_center);
+  const int64_t batch = input.size(0), points = g.points();
+  const GridCall call = grid_call(g, input, group);
+  const at::Tensor pts = grid_points(
+      g, offset.reshape({batch, g.out_height(), g.out_width(), group, points, 2}),
+      mask.reshape({batch, g.out_height(), g.out_width(), group, points}), point_dtype(input.scalar_type()));
+  const at::Tensor output =
+      kernels.forward(call.value, pts, call.point_levels, call.spatial_shapes, call.level_start_index);
+  return output.view({batch, g.out_height(), g.out_width(), input.size(3)});
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward(
+    const SampledSumKernels& kernels, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& offset, const at::Tensor& mask, at::IntArrayRef kernel_size, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef dilation, int64_t group, double offset_scale, bool remove_center) {
+  const ConvGrid g =
+      checked_dcnv3(input, offset, mask, kernel_size, stride, padding, dilation, group, offset_scale, remove_center);
+  const int64_t batch = input.size(0), points = g.points(), channels = input.size(3);
+  family::check_dense(grad_output, "grad_output", 4, "[N, H_out, W_out, group * group_channels]");
+  TORCH_CHECK(grad_output.scalar_type() == input.scalar_type(), "grad_output must have input's dtype ",
+              input.scalar_type(), ", got ", grad_output.scalar_type());
+  family::check_device(grad_output, "grad_output", input, "input");
+  family::check_shape(grad_output, "grad_output", {batch, g.out_height(), g.out_width(), channels},
+                      "[N, H_out, W_out, group * group_channels]");
+  const GridCall call = grid_call(g, input, group);
+  const at::Tensor pts = grid_points(
+      g, offset.reshape({batch, g.out_height(), g.out_width(), group, points, 2}),
+      mask.reshape({batch, g.out_height(), g.out_width(), group, points}), point_dtype(input.scalar_type()));
+  const at::Tensor grad = grad_output.reshape({batch, g.out_height() * g.out_width(), group, channels / group});
+  // InternImage's kernel leaves a point at exactly -1 out (loc > -1): its derivative there is 0, as mmcv's.
+  const auto [grad_value, grad_points] = kernels.backward(grad, call.value, pts, call.point_levels,
+                                                          call.spatial_shapes, call.level_start_index,
+                                                          BorderGradient::mmcv);
+  const auto [grad_offsets, grad_weights] = grid_points_backward(g, grad_points);
+  return {grad_value.view(input.sizes()), grad_offsets.reshape(offset.sizes()).to(offset.scalar_type()),
+          grad_weights.reshape(mask.sizes()).to(mask.scalar_type())};
+}
+
+}  // namespace deform_conv

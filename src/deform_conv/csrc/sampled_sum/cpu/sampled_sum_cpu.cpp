@@ -1,0 +1,245 @@
+// The family's shared kernels on the CPU (sampled_sum.h): every dtype computed natively, the half types read as
+// they are and accumulated in float32 (at::opmath_type), the points already in float32 (float64).
+//
+// As multi-scale deformable attention's CPU kernels (csrc/ms_deform_attn/cpu/): each point's neighbours and
+// weights come from sampling.h once for all D channels of its group, the loops over channels are contiguous
+// (channels are innermost) and compiled for the widest instruction set the CPU has (DC_CPU_DISPATCH), and a point
+// whose four neighbours lie in its level takes one pass over the channels for all four.
+//
+// The forward splits the rows (image, query) between threads; each output row is written once. The backward
+// splits (image, group, level) between threads: a task owns that slice of value's gradient and the gradients of
+// its level's points, and walks its queries and points in order, so every sum is taken in one fixed order: the
+// gradients are bitwise the same for any thread count. No atomics.
+#include "../sampled_sum.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "../../cpu_kernels.h"
+
+namespace deform_conv {
+namespace cpu {
+namespace {
+
+struct SampledLevel {
+  int64_t height, width, start;
+  bool fits;  // inside value's pixels (else its points sample NaN and read nothing)
+};
+
+// The tables a kernel reads on the host: each point's level, and the levels.
+struct SampledLevels {
+  std::vector<SampledLevel> levels;
+  std::vector<int64_t> of_point;  // [points]
+};
+
+SampledLevels read_levels(const SampledSumSizes& s, const at::Tensor& point_levels, const at::Tensor& spatial_shapes,
+                          const at::Tensor& level_start_index) {
+  const at::Tensor shapes = spatial_shapes.contiguous(), starts = level_start_index.contiguous();
+  const at::Tensor of_point = point_levels.contiguous();
+  SampledLevels t;
+  const int64_t* hw = shapes.const_data_ptr<int64_t>();
+  const int64_t* start = starts.const_data_ptr<int64_t>();
+  for (int64_t l = 0; l < s.levels; ++l) {
+    t.levels.push_back({hw[2 * l], hw[2 * l + 1], start[l], level_fits(start[l], hw[2 * l], hw[2 * l + 1], s.pixels)});
+  }
+  const int64_t* level = of_point.const_data_ptr<int64_t>();
+  for (int64_t k = 0; k < s.points; ++k) {
+    TORCH_INTERNAL_ASSERT(level[k] >= 0 && level[k] < s.levels, "sampled_sum: a point's level out of range");
+    t.of_point.push_back(level[k]);
+  }
+  return t;
+}
+
+template <typename acc_t>
+BilinearSample<acc_t> sample_of(const acc_t* point, const SampledLevel& level) {
+  if (!level.fits) {
+    BilinearSample<acc_t> nan;
+    nan.nan = true;
+    return nan;
+  }
+  return bilinear_sample(point[1], point[0], level.height, level.width);
+}
+
+// About this many sampling points (times D channels) a task: enough to outweigh a task's cost.
+constexpr int64_t kPointsPerTask = 2048;
+
+// Output rows (image, query) [begin, end). `sum` holds D values.
+template <typename scalar_t>
+void sum_rows_body(const SampledSumSizes& s, const SampledLevel* levels, const int64_t* level_of_point,
+                   const scalar_t* value, const at::opmath_type<scalar_t>* points, scalar_t* output, int64_t begin,
+                   int64_t end, at::opmath_type<scalar_t>* __restrict__ sum) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t channels = s.channels, pixel_stride = s.groups * s.channels;
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t n = row / s.queries, q = row % s.queries;
+    for (int64_t g = 0; g < s.groups; ++g) {
+      for (int64_t d = 0; d < channels; ++d) sum[d] = 0;
+      for (int64_t k = 0; k < s.points; ++k) {
+        const acc_t* point = points + 3 * s.point_index(n, q, g, k);
+        const SampledLevel& level = levels[level_of_point[k]];
+        const BilinearSample<acc_t> b = sample_of(point, level);
+        const acc_t w = point[2];
+        const scalar_t* image = value + s.value_index(n, level.fits ? level.start : 0, g);
+        if (b.count == 4 && std::isfinite(w)) {
+          // All four neighbours in the level, a finite weight: one pass, the weight folded into the bilinear
+          // weights. (Elsewhere the sample is formed first, so that an infinite weight times a sample of 0 is NaN.)
+          const scalar_t* __restrict__ v0 = image + b.pixel[0] * pixel_stride;
+          const scalar_t* __restrict__ v1 = image + b.pixel[1] * pixel_stride;
+          const scalar_t* __restrict__ v2 = image + b.pixel[2] * pixel_stride;
+          const scalar_t* __restrict__ v3 = image + b.pixel[3] * pixel_stride;
+          const acc_t c0 = w * b.weight[0], c1 = w * b.weight[1], c2 = w * b.weight[2], c3 = w * b.weight[3];
+          for (int64_t d = 0; d < channels; ++d) {
+            sum[d] += c0 * static_cast<acc_t>(v0[d]) + c1 * static_cast<acc_t>(v1[d]) +
+                      c2 * static_cast<acc_t>(v2[d]) + c3 * static_cast<acc_t>(v3[d]);
+          }
+          continue;
+        }
+        const acc_t start = sum_start(b);
+        for (int64_t d = 0; d < channels; ++d) {
+          acc_t sample = start;
+          for (int c = 0; c < b.count; ++c) {
+            sample += b.weight[c] * static_cast<acc_t>(image[b.pixel[c] * pixel_stride + d]);
+          }
+          sum[d] += w * sample;
+        }
+      }
+      scalar_t* out = output + s.output_index(n, q, g);
+      for (int64_t d = 0; d < channels; ++d) out[d] = static_cast<scalar_t>(sum[d]);
+    }
+  }
+}
+DC_CPU_KERNEL(sum_rows)
+
+// Tasks (image, group, level) [begin, end): the task's slice of value's gradient is summed in `grad_slice` (the
+// accumulation type) and written once, rounded. `grad` holds D values, `grad_slice` the largest level's pixels * D.
+template <typename scalar_t>
+void backward_tasks_body(const SampledSumSizes& s, const SampledLevel* levels, const int64_t* level_of_point,
+                         const scalar_t* value, const at::opmath_type<scalar_t>* points, const scalar_t* grad_output,
+                         scalar_t* grad_value, at::opmath_type<scalar_t>* grad_points, BorderGradient border,
+                         int64_t begin, int64_t end, at::opmath_type<scalar_t>* __restrict__ grad,
+                         at::opmath_type<scalar_t>* __restrict__ grad_slice) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t channels = s.channels, pixel_stride = s.groups * s.channels;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t l = task % s.levels, g = (task / s.levels) % s.groups, n = task / (s.levels * s.groups);
+    const SampledLevel& level = levels[l];
+    const scalar_t* image = value + s.value_index(n, level.fits ? level.start : 0, g);
+    const int64_t slice = level.fits ? level.height * level.width * channels : 0;
+    for (int64_t i = 0; i < slice; ++i) grad_slice[i] = 0;
+    for (int64_t q = 0; q < s.queries; ++q) {
+      const scalar_t* go = grad_output + s.output_index(n, q, g);
+      for (int64_t d = 0; d < channels; ++d) grad[d] = static_cast<acc_t>(go[d]);
+      for (int64_t k = 0; k < s.points; ++k) {
+        if (level_of_point[k] != l) continue;
+        const int64_t point = s.point_index(n, q, g, k);
+        const BilinearSample<acc_t> b = sample_of(points + 3 * point, level);
+        const acc_t w = points[3 * point + 2];
+        // dot[c] = grad . neighbour c; d loss / d (the sample), d x and d y are sums over the neighbours of (its
+        // weight, or the weight's derivative) * dot[c].
+        acc_t dot[4] = {0, 0, 0, 0};
+        for (int c = 0; c < b.count; ++c) {
+          const scalar_t* __restrict__ v = image + b.pixel[c] * pixel_stride;
+          acc_t* __restrict__ gv = grad_slice + b.pixel[c] * channels;
+          const acc_t weight = w * b.weight[c];
+          acc_t sum = 0;
+          // Vector partial sums, added in an order fixed for each instruction set: the same bits for any thread
+          // count.
+#pragma omp simd reduction(+ : sum)
+          for (int64_t d = 0; d < channels; ++d) {
+            sum += grad[d] * static_cast<acc_t>(v[d]);
+            gv[d] += weight * grad[d];
+          }
+          dot[c] = sum;
+        }
+        acc_t grad_w = sum_start(b), grad_x = sum_start(b), grad_y = sum_start(b);
+        for (int c = 0; c < b.count; ++c) {
+          grad_w += b.weight[c] * dot[c];
+          grad_x += b.weight_dx[c] * dot[c];
+          grad_y += b.weight_dy[c] * dot[c];
+        }
+        grad_points[3 * point] = coordinate_grad(b, w, grad_x, border);
+        grad_points[3 * point + 1] = coordinate_grad(b, w, grad_y, border);
+        grad_points[3 * point + 2] = grad_w;
+      }
+    }
+    for (int64_t pixel = 0; pixel < slice / std::max<int64_t>(channels, 1); ++pixel) {
+      scalar_t* out = grad_value + s.value_index(n, level.start + pixel, g);
+      const acc_t* in = grad_slice + pixel * channels;
+      for (int64_t d = 0; d < channels; ++d) out[d] = static_cast<scalar_t>(in[d]);
+    }
+  }
+}
+DC_CPU_KERNEL(backward_tasks)
+
+#define SAMPLED_SUM_DISPATCH(TYPE, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, TYPE, NAME, __VA_ARGS__)
+
+at::Tensor forward(const at::Tensor& value, const at::Tensor& points, const at::Tensor& point_levels,
+                   const at::Tensor& spatial_shapes, const at::Tensor& level_start_index) {
+  follow_torch_thread_count();
+  const SampledSumSizes s = make_sampled_sum_sizes(value, points, point_levels, spatial_shapes, level_start_index);
+  const SampledLevels t = read_levels(s, point_levels, spatial_shapes, level_start_index);
+  const at::Tensor v = value.contiguous(), pts = points.contiguous();
+  at::Tensor output = at::empty({s.batch, s.queries, s.groups, s.channels}, value.options());
+  const int64_t grain = std::max<int64_t>(1, kPointsPerTask / std::max<int64_t>(1, s.groups * s.points));
+  SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* value_data = v.const_data_ptr<scalar_t>();
+    const acc_t* point_data = pts.const_data_ptr<acc_t>();
+    scalar_t* out = output.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> sum(s.channels);
+      sum_rows<scalar_t>(s, t.levels.data(), t.of_point.data(), value_data, point_data, out, begin, end, sum.data());
+    });
+  });
+  return output;
+}
+
+std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_output, const at::Tensor& value,
+                                            const at::Tensor& points, const at::Tensor& point_levels,
+                                            const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+                                            BorderGradient border) {
+  follow_torch_thread_count();
+  const SampledSumSizes s = make_sampled_sum_sizes(value, points, point_levels, spatial_shapes, level_start_index);
+  const SampledLevels t = read_levels(s, point_levels, spatial_shapes, level_start_index);
+  const at::Tensor v = value.contiguous(), pts = points.contiguous(), g = grad_output.contiguous();
+  // Pixels outside every level (none, where the ops' checks hold) keep a zero gradient.
+  at::Tensor grad_value = at::zeros(value.sizes(), value.options());
+  // Every element is written once (backward_tasks): each point belongs to one level.
+  at::Tensor grad_points = at::empty(pts.sizes(), pts.options());
+  int64_t largest = 0;
+  for (const SampledLevel& level : t.levels) {
+    if (level.fits) largest = std::max(largest, level.height * level.width);
+  }
+  SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_backward_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* value_data = v.const_data_ptr<scalar_t>();
+    const acc_t* point_data = pts.const_data_ptr<acc_t>();
+    const scalar_t* grad_data = g.const_data_ptr<scalar_t>();
+    scalar_t* grad_value_data = grad_value.mutable_data_ptr<scalar_t>();
+    acc_t* grad_point_data = grad_points.mutable_data_ptr<acc_t>();
+    at::parallel_for(0, s.batch * s.groups * s.levels, 1, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> grad(s.channels), grad_slice(largest * s.channels);
+      backward_tasks<scalar_t>(s, t.levels.data(), t.of_point.data(), value_data, point_data, grad_data,
+                               grad_value_data, grad_point_data, border, begin, end, grad.data(), grad_slice.data());
+    });
+  });
+  return {grad_value, grad_points};
+}
+
+}  // namespace
+
+const SampledSumKernels& sampled_sum_kernels() {
+  static const SampledSumKernels kernels{forward, backward};
+  return kernels;
+}
+
+}  // namespace cpu
+}  // namespace deform_conv

@@ -1,0 +1,55 @@
+// The kernels DCNv3, DCNv4 and FlashDeformAttn share: for each (image, query, group), the weighted sum of bilinear
+// samples of a channels-last value tensor at given points, and its gradients. The ops differ only in where their
+// points come from (a grid plus offsets, or normalised locations in levels) and whether their weights pass
+// through a softmax; each op's host code (csrc/<op>/) computes the points in float32 (float64 for a float64
+// value) with ATen's operators, whatever the value's dtype, calls these kernels, and carries the points'
+// gradients back to its own arguments. So there is one CPU and one CUDA kernel for the whole family.
+//
+//   value        [N, S, G, D]     S = the pixels of all levels, one level after another
+//   points       [N, Q, G, K, 3]  (x, y, weight) of each point, x and y in the level's pixel coordinates
+//                                 (the bilinear sampling of csrc/sampling.h); float32 (float64 for float64 values)
+//   point_levels [K] int64        the level of each point
+//   levels       spatial_shapes [L, 2] (height, width) and level_start_index [L], int64
+//   -> output    [N, Q, G, D]     value's dtype
+//
+// The backward returns value's gradient (value's dtype) and the points' [N, Q, G, K, 3] (d x, d y, d weight),
+// the coordinates' derivatives following `border` at exactly -1 and zero for points outside their level
+// (sampling.h's coordinate_grad). Host code.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+
+#include "../sampling.h"
+#include "sampled_sum_sizes.h"
+
+namespace deform_conv {
+
+// The family's kernels of one backend: what an op's host code calls.
+struct SampledSumKernels {
+  at::Tensor (*forward)(const at::Tensor& value, const at::Tensor& points, const at::Tensor& point_levels,
+                        const at::Tensor& spatial_shapes, const at::Tensor& level_start_index);
+  std::tuple<at::Tensor, at::Tensor> (*backward)(const at::Tensor& grad_output, const at::Tensor& value,
+                                                 const at::Tensor& points, const at::Tensor& point_levels,
+                                                 const at::Tensor& spatial_shapes,
+                                                 const at::Tensor& level_start_index, BorderGradient border);
+};
+
+namespace cpu {
+const SampledSumKernels& sampled_sum_kernels();  // cpu/sampled_sum_cpu.cpp
+}  // namespace cpu
+namespace cuda {
+const SampledSumKernels& sampled_sum_kernels();  // cuda/sampled_sum_cuda.cpp
+}  // namespace cuda
+
+// Checks the kernels' arguments against each other (only the family's host code calls the kernels, so a failure
+// here is a bug of ours, not a user's) and returns the sizes.
+SampledSumSizes make_sampled_sum_sizes(const at::Tensor& value, const at::Tensor& points,
+                                       const at::Tensor& point_levels, const at::Tensor& spatial_shapes,
+                                       const at::Tensor& level_start_index);
+
+// The dtype points are computed in for a value of `dtype`: float64 for float64, else float32.
+at::ScalarType point_dtype(at::ScalarType dtype);
+
+}  // namespace deform_conv
