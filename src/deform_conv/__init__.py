@@ -72,6 +72,8 @@ if not _invoked_as_command_line():
 from ._ops.deform_conv2d import deform_conv2d, deform_conv2d_reference  # noqa: E402
 from ._ops.ms_deform_attn import ms_deform_attn, ms_deform_attn_reference  # noqa: E402
 from ._ops.dcnv3 import dcnv3, dcnv3_reference  # noqa: E402
+from ._ops.dcnv4 import dcnv4, dcnv4_reference  # noqa: E402
+from ._ops.flash_deform_attn import flash_deform_attn, flash_deform_attn_reference  # noqa: E402
 from .nn import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack, MSDeformAttn  # noqa: E402
 from .compat import convert_modules  # noqa: E402
 
@@ -87,6 +89,10 @@ __all__ = [
     "convert_modules",
     "dcnv3",
     "dcnv3_reference",
+    "dcnv4",
+    "dcnv4_reference",
+    "flash_deform_attn",
+    "flash_deform_attn_reference",
     "deform_conv2d",
     "deform_conv2d_reference",
     "libraries",

@@ -7,6 +7,6 @@ formula and autocast rule with the library's schemas, and routes calls on ``devi
 {"cpu"}) to the compiled kernels; other devices run the op's pure-PyTorch reference.
 """
 
-from . import dcnv3, deform_conv2d, ms_deform_attn
+from . import dcnv3, dcnv4, deform_conv2d, flash_deform_attn, ms_deform_attn
 
-OPS = (deform_conv2d, ms_deform_attn, dcnv3)
+OPS = (deform_conv2d, ms_deform_attn, dcnv3, dcnv4, flash_deform_attn)

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "../ms_deform_attn/attention_sizes.h"  // level_fits: levels as multi-scale deformable attention's
 #include "../sampling.h"
 
 namespace deform_conv {
