@@ -12,7 +12,7 @@ from typing import List, NamedTuple
 import torch
 from torch import Tensor
 
-from ..shared.checks import SUPPORTED_DTYPES, _check_tensor, _shape
+from ..shared.checks import SUPPORTED_DTYPES, _check_tensor, _shape, check_point_dtype
 
 
 class AttentionSizes(NamedTuple):
@@ -53,9 +53,9 @@ def check_ms_deform_attn_args(
     _check_tensor(attention_weights, "attention_weights", 5, "[batch, queries, heads, levels, points]")
     if value.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"value must be float16, bfloat16, float32 or float64, got {value.dtype}")
-    for t, name in ((sampling_locations, "sampling_locations"), (attention_weights, "attention_weights")):
-        if t.dtype != value.dtype:
-            raise TypeError(f"{name} must have value's dtype {value.dtype}, got {t.dtype}")
+    # Locations and weights in value's dtype, or float32 beside a half value (never rounded to a half type).
+    check_point_dtype(sampling_locations, "sampling_locations", value, "value")
+    check_point_dtype(attention_weights, "attention_weights", value, "value")
     for t, name in ((spatial_shapes, "spatial_shapes"), (level_start_index, "level_start_index")):
         if t.dtype != torch.int64:
             raise TypeError(f"{name} must be an int64 (torch.long) tensor, got {t.dtype}")

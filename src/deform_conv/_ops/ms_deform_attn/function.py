@@ -12,7 +12,7 @@ from typing import Optional, Set
 import torch
 from torch import Tensor
 
-from ..shared.function import autocast_cast, autocast_inputs, in_onnx_export
+from ..shared.function import autocast_cast, autocast_coordinates, autocast_inputs, in_onnx_export
 from .checks import check_ms_deform_attn_args
 from .reference import ms_deform_attn_reference
 
@@ -41,7 +41,9 @@ def ms_deform_attn(
         attention_weights: ``[N, Lq, M, L, P]``.
         im2col_step: accepted for Deformable DETR's signature and ignored (the kernels need no such chunking).
 
-    All floating tensors float16, bfloat16, float32 or float64 (one dtype), every tensor on one device. Sampling
+    value float16, bfloat16, float32 or float64; sampling_locations and attention_weights value's dtype, or float32
+    beside a half value (the coordinates are then computed in float32: autocast keeps them so); every tensor on
+    one device. Sampling
     is bilinear with zero outside the image; a location with a NaN coordinate samples NaN, one at +-inf samples 0
     (README, "Non-finite offsets"); the weights multiply the samples, so non-finite weights propagate as a
     multiplication does.
@@ -56,7 +58,7 @@ def ms_deform_attn(
                 ms_deform_attn, (value, spatial_shapes, level_start_index, sampling_locations, attention_weights),
                 value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step)
         if not torch.jit.is_tracing():
-            value, sampling_locations, attention_weights = autocast_inputs(
+            value, sampling_locations, attention_weights = _autocast_args(
                 value, sampling_locations, attention_weights)
             # The level sizes are read (on CPU tensors) only in an eager call: under torch.compile and torch.export
             # their values are unknown, and the op's own checks apply.
@@ -73,6 +75,16 @@ def ms_deform_attn(
                 value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     return torch.ops.deform_conv.ms_deform_attn(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+
+@torch.jit.unused
+def _autocast_args(value, sampling_locations, attention_weights):
+    """As the op's autocast kernel will see them: value cast, the locations and weights kept in float32."""
+    (cast,) = autocast_inputs(value)
+    if cast is value:
+        return value, sampling_locations, attention_weights
+    return (cast, autocast_coordinates(sampling_locations, cast.dtype),
+            autocast_coordinates(attention_weights, cast.dtype))
 
 
 @torch.jit.unused
@@ -122,13 +134,14 @@ def _no_double_backward(ctx, *grads):
 
 
 def _autocast_kernel(device_type: str):
-    """The op under autocast, as ``deform_conv2d`` (and ``conv2d``): autocast_cast's rule (shared/function.py); the
-    kernels accumulate in float32."""
+    """The op under autocast: value cast as ``conv2d``'s input (autocast_cast, shared/function.py), the sampling
+    locations and attention weights kept in float32 (a normalised location near 1 in bfloat16 is off by up to a
+    third of a pixel on a 150-pixel level); the kernels accumulate in float32."""
 
     def kernel(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-        dtype = torch.get_autocast_dtype(device_type)
-        value, sampling_locations, attention_weights = (
-            autocast_cast(t, dtype) for t in (value, sampling_locations, attention_weights))
+        value = autocast_cast(value, torch.get_autocast_dtype(device_type))
+        sampling_locations = autocast_coordinates(sampling_locations, value.dtype)
+        attention_weights = autocast_coordinates(attention_weights, value.dtype)
         with torch.autocast(device_type, enabled=False):
             return torch.ops.deform_conv.ms_deform_attn(
                 value, spatial_shapes, level_start_index, sampling_locations, attention_weights)

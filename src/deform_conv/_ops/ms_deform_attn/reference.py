@@ -39,17 +39,19 @@ def ms_deform_attn_reference(
                                       attention_weights)
     batch, _, heads, channels = value.shape
     queries, points = sizes.queries, sizes.points
-    out = value.new_zeros((batch, heads, channels, queries))
+    # Float32 locations or weights beside a half value: computed in float32, rounded to value's dtype once.
+    dtype = torch.promote_types(torch.promote_types(value.dtype, sampling_locations.dtype), attention_weights.dtype)
+    out = value.new_zeros((batch, heads, channels, queries), dtype=dtype)
     for level, ((height, width), start) in enumerate(zip(spatial_shapes.tolist(), level_start_index.tolist())):
         pixels = value[:, start:start + height * width]  # [N, H*W, M, D]
-        images = pixels.permute(0, 2, 3, 1).reshape(batch, heads, channels, height, width)
+        images = pixels.permute(0, 2, 3, 1).reshape(batch, heads, channels, height, width).to(dtype)
         location = sampling_locations[:, :, :, level].permute(0, 2, 1, 3, 4)  # [N, M, Lq, P, 2]
         x = (location[..., 0] * width - 0.5).reshape(batch, heads, queries * points)
         y = (location[..., 1] * height - 0.5).reshape(batch, heads, queries * points)
         sampled = _bilinear(images, y, x, "torchvision")  # [N, M, D, Lq * P]
         weights = attention_weights[:, :, :, level].permute(0, 2, 1, 3).reshape(batch, heads, 1, queries * points)
         out = out + (sampled * weights).reshape(batch, heads, channels, queries, points).sum(-1)
-    return out.permute(0, 3, 1, 2).reshape(batch, queries, heads * channels)
+    return out.permute(0, 3, 1, 2).reshape(batch, queries, heads * channels).to(value.dtype)
 
 
 def ms_deform_attn_grid_sample(

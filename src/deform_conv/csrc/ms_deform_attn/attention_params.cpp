@@ -49,10 +49,14 @@ AttentionParams make_attention_params(const at::Tensor& value, const at::Tensor&
   const auto dtype = value.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16,
               "value must be float16, bfloat16, float32 or float64, got ", dtype);
-  TORCH_CHECK(sampling_locations.scalar_type() == dtype, "sampling_locations must have value's dtype ", dtype,
-              ", got ", sampling_locations.scalar_type());
-  TORCH_CHECK(attention_weights.scalar_type() == dtype, "attention_weights must have value's dtype ", dtype,
-              ", got ", attention_weights.scalar_type());
+  // Locations and weights in value's dtype, or float32 beside a half value (float32_points.h).
+  const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
+  TORCH_CHECK(sampling_locations.scalar_type() == dtype || (half && sampling_locations.scalar_type() == at::kFloat),
+              "sampling_locations must have value's dtype ", dtype, half ? " or float32" : "", ", got ",
+              sampling_locations.scalar_type());
+  TORCH_CHECK(attention_weights.scalar_type() == dtype || (half && attention_weights.scalar_type() == at::kFloat),
+              "attention_weights must have value's dtype ", dtype, half ? " or float32" : "", ", got ",
+              attention_weights.scalar_type());
   TORCH_CHECK(spatial_shapes.scalar_type() == at::kLong, "spatial_shapes must be an int64 (torch.long) tensor, got ",
               spatial_shapes.scalar_type());
   TORCH_CHECK(level_start_index.scalar_type() == at::kLong,

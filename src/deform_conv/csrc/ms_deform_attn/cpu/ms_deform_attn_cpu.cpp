@@ -23,6 +23,7 @@
 
 #include "../../cpu_kernels.h"
 #include "../attention_params.h"
+#include "../float32_points.h"
 
 namespace deform_conv {
 namespace cpu {
@@ -238,6 +239,10 @@ at::Tensor ms_deform_attn_forward(const at::Tensor& value, const at::Tensor& spa
   const AttentionParams p =
       make_attention_params(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                             /*check_level_values=*/true);
+  if (has_float32_points(value, sampling_locations, attention_weights)) {
+    return ms_deform_attn_on_float32_points(sampled_sum_kernels(), p, value, spatial_shapes, level_start_index,
+                                            sampling_locations, attention_weights);
+  }
   const std::vector<Level> levels = read_levels(p, spatial_shapes, level_start_index);
   const at::Tensor v = value.contiguous(), loc = sampling_locations.contiguous(), w = attention_weights.contiguous();
   at::Tensor output = at::empty({p.batch, p.queries, p.heads * p.channels}, value.options());
@@ -256,6 +261,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ms_deform_attn_backward(
       make_attention_params(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                             /*check_level_values=*/true);
   check_attention_grad_output(p, grad_output, value);
+  if (has_float32_points(value, sampling_locations, attention_weights)) {
+    return ms_deform_attn_backward_on_float32_points(sampled_sum_kernels(), p, grad_output, value, spatial_shapes,
+                                                     level_start_index, sampling_locations, attention_weights);
+  }
   const std::vector<Level> levels = read_levels(p, spatial_shapes, level_start_index);
   const at::Tensor v = value.contiguous(), loc = sampling_locations.contiguous(), w = attention_weights.contiguous();
   const at::Tensor g = grad_output.contiguous();

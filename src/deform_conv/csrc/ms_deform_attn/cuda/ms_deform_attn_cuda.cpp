@@ -25,6 +25,7 @@
 
 #include "../../cuda/host.h"
 #include "../attention_params.h"
+#include "../float32_points.h"
 #include "launchers.h"
 
 namespace deform_conv {
@@ -107,6 +108,10 @@ at::Tensor ms_deform_attn_forward(const at::Tensor& value, const at::Tensor& spa
       make_attention_params(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                             /*check_level_values=*/false);
   const DeviceGuard guard(value.device());
+  if (has_float32_points(value, sampling_locations, attention_weights)) {
+    return ms_deform_attn_on_float32_points(sampled_sum_kernels(), p, value, spatial_shapes, level_start_index,
+                                            sampling_locations, attention_weights);
+  }
   const AttentionTensors t(value, spatial_shapes, level_start_index, sampling_locations, attention_weights);
   at::Tensor output = at::empty({p.batch, p.queries, p.heads * p.channels}, value.options());
   const int64_t items = p.batch * p.queries * p.heads;
@@ -134,6 +139,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ms_deform_attn_backward(const at:
                             /*check_level_values=*/false);
   check_attention_grad_output(p, grad_output, value);
   const DeviceGuard guard(value.device());
+  if (has_float32_points(value, sampling_locations, attention_weights)) {
+    return ms_deform_attn_backward_on_float32_points(sampled_sum_kernels(), p, grad_output, value, spatial_shapes,
+                                                     level_start_index, sampling_locations, attention_weights);
+  }
   const AttentionTensors t(value, spatial_shapes, level_start_index, sampling_locations, attention_weights);
   const at::Tensor grad = grad_output.contiguous();
   const at::ScalarType acc_type = at::toOpMathType(value.scalar_type());
