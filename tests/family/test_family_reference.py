@@ -1,0 +1,153 @@
+"""dcnv3, dcnv4 and flash_deform_attn (the compiled CPU ops) against their float64 references, forward and every
+gradient (autograd through the reference), on awkward geometry: unequal kernel sides, stride, padding, dilation,
+odd channel counts, remove_center, offsets far outside the image, offset_scale, batch 0, a non-contiguous input;
+dcnv4 with and without its softmax and with padding channels; flash_deform_attn over 1 and 3 levels. Then float32
+against float64 within a bound derived from float32's eps, and the ops against each other: dcnv3 through dcnv4
+(bitwise) and flash_deform_attn as a softmax plus ms_deform_attn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.family import (GRAD_NAMES, PUBLIC, REFERENCE, Case, assert_all_close, assert_identical, assert_within,
+                            dcnv4_from_dcnv3, float32_bound, make_dcnv3, make_dcnv4, make_flash, output_and_grads,
+                            unpack_offset_mask)
+
+import deform_conv
+
+TOL = dict(rtol=1e-10, atol=1e-10)  # float64: what the arithmetic allows (rounding ~1e-15), never widened
+
+# make_dcnv3's keywords; the default is kernel 3x2, stride (2, 1), padding (1, 0), dilation (2, 1), group 3 of 5
+# channels, input 7x6, offsets N(0, 1.5).
+GEOMETRIES = {
+    "k3x2_s21_p10_d21_g3c5": dict(),
+    "k2x3_g1c3_scale0.5": dict(kernel=(2, 3), stride=1, padding=(0, 1), dilation=(1, 2), group=1, group_channels=3,
+                               offset_scale=0.5),
+    "k1x1_g3c1": dict(kernel=1, stride=(2, 1), padding=0, dilation=1, group=3, group_channels=1, size=(5, 4)),
+    "k5x5_K25_g1c71": dict(kernel=5, stride=1, padding=2, dilation=1, group=1, group_channels=71, size=(5, 4),
+                           batch=1),
+    "remove_center_3x3_scale2": dict(kernel=3, stride=1, padding=1, dilation=(2, 1), group=3, group_channels=3,
+                                     remove_center=True, offset_scale=2.0),
+    "offsets_N0_10": dict(offset_std=10.0),
+    "offsets_pm1e6": dict(far_fraction=0.5, offset_scale=0.5),
+    "batch0": dict(batch=0),
+}
+
+# make_flash's keywords: levels of unequal sizes (1x1 among them), n_points 1 and 4, no queries, no images.
+FLASH_CASES = {
+    "1_level_4_points": dict(levels=((5, 7),), n_points=4),
+    "3_levels_1_point": dict(levels=((5, 7), (1, 1), (3, 2)), n_points=1),
+    "3_levels_4_points": dict(levels=((5, 7), (1, 1), (3, 2)), n_points=4, group=1, channels=3),
+    "far_outside": dict(levels=((4, 3), (2, 5)), n_points=2, low=-40.0, high=40.0),
+    "no_queries": dict(queries=0),
+    "batch0": dict(batch=0),
+}
+
+
+def assert_matches_reference(case: Case) -> None:
+    assert_all_close(output_and_grads(PUBLIC[case.op], case), output_and_grads(REFERENCE[case.op], case),
+                     GRAD_NAMES[case.op], **TOL)
+
+
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+def test_dcnv3_matches_the_reference(geometry):
+    assert_matches_reference(make_dcnv3(**GEOMETRIES[geometry]))
+
+
+@pytest.mark.parametrize("softmax", [False, True], ids=["mask", "softmax"])
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+def test_dcnv4_matches_the_reference(geometry, softmax):
+    """P = group * K * 3 + 5: the 5 padding channels are ignored and get exactly zero gradient."""
+    case = make_dcnv4(softmax=softmax, extra_channels=5, **GEOMETRIES[geometry])
+    assert_matches_reference(case)
+    grad_offset_mask = output_and_grads(PUBLIC["dcnv4"], case)[2]
+    assert torch.equal(grad_offset_mask[..., -5:], torch.zeros_like(grad_offset_mask[..., -5:]))
+
+
+@pytest.mark.parametrize("name", sorted(FLASH_CASES))
+def test_flash_deform_attn_matches_the_reference(name):
+    assert_matches_reference(make_flash(**FLASH_CASES[name]))
+
+
+def test_every_point_far_outside_gives_zero_output_and_zero_gradients():
+    """Offsets of +-1e6 everywhere: nothing is sampled, so output and every gradient vanish."""
+    case = make_dcnv3(far_fraction=1.0)
+    for name, t in zip(GRAD_NAMES["dcnv3"], output_and_grads(PUBLIC["dcnv3"], case)):
+        assert torch.equal(t, torch.zeros_like(t)), name
+
+
+@pytest.mark.parametrize("op", ["dcnv3", "dcnv4", "flash_deform_attn"])
+def test_non_contiguous_arguments(op):
+    """A non-contiguous input (value) and point tensor, the same values: the same results as the reference."""
+    case = make_dcnv3() if op == "dcnv3" else make_dcnv4(softmax=True) if op == "dcnv4" else make_flash()
+    floats = case.floats()
+    value = floats[0].transpose(1, 2).contiguous().transpose(1, 2)
+    points = [torch.stack([t, torch.zeros_like(t)], dim=-1)[..., 0] for t in floats[1:]]
+    assert not value.is_contiguous() and not any(t.is_contiguous() for t in points)
+    strided = case.with_floats([value, *points])
+    assert_matches_reference(strided)
+    assert_all_close(output_and_grads(PUBLIC[op], strided), output_and_grads(PUBLIC[op], case), GRAD_NAMES[op],
+                     rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------- float32 vs float64
+
+
+FLOAT32_CASES = {
+    "dcnv3_awkward": lambda: make_dcnv3(),
+    "dcnv3_K25_c71": lambda: make_dcnv3(**GEOMETRIES["k5x5_K25_g1c71"]),
+    "dcnv3_remove_center": lambda: make_dcnv3(**GEOMETRIES["remove_center_3x3_scale2"]),
+    "dcnv4_softmax": lambda: make_dcnv4(softmax=True, extra_channels=3),
+    "dcnv4_mask_scale0.5": lambda: make_dcnv4(**GEOMETRIES["k2x3_g1c3_scale0.5"]),
+    "flash_3_levels": lambda: make_flash(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLOAT32_CASES))
+def test_float32_forward_within_the_float32_bound(name):
+    """float32 against the float64 reference on the same float32 arguments, element by element, within the
+    rounding bound of helpers/family.py's float32_bound (derived from float32's eps, nothing added)."""
+    case = FLOAT32_CASES[name]().to(torch.float32)
+    out = PUBLIC[case.op](*case.args)
+    assert out.dtype == torch.float32
+    assert_within(out, REFERENCE[case.op](*case.double().args), float32_bound(case), name)
+
+
+# ------------------------------------------------------------------------------------- the ops together
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("geometry", ["k3x2_s21_p10_d21_g3c5", "remove_center_3x3_scale2", "k5x5_K25_g1c71"])
+def test_dcnv3_through_dcnv4_is_dcnv3_bit_for_bit(geometry, dtype):
+    """dcnv4 without softmax, on dcnv3's offsets and mask packed as its offset_mask (plus padding channels): the
+    same output and the same gradients, bit for bit (the unpacked gradient of offset_mask)."""
+    case3 = make_dcnv3(dtype, **GEOMETRIES[geometry])
+    case4 = dcnv4_from_dcnv3(case3, softmax=False, extra_channels=2)
+    out3, grad_input3, grad_offset3, grad_mask3 = output_and_grads(PUBLIC["dcnv3"], case3)
+    out4, grad_input4, grad_offset_mask = output_and_grads(PUBLIC["dcnv4"], case4)
+    group, kernel = case3.args[7], case3.args[3]
+    k = kernel[0] * kernel[1] - (1 if case3.args[9] else 0)
+    grad_offset4, grad_mask4 = unpack_offset_mask(grad_offset_mask, group, k)
+    assert_identical([out4, grad_input4, grad_offset4, grad_mask4], [out3, grad_input3, grad_offset3, grad_mask3],
+                     GRAD_NAMES["dcnv3"])
+
+
+@pytest.mark.parametrize("name", ["1_level_4_points", "3_levels_1_point", "3_levels_4_points"])
+def test_flash_deform_attn_is_softmax_then_ms_deform_attn(name):
+    """flash_deform_attn(sampling_loc_attn) = ms_deform_attn(locations, softmax(logits)), its logits one softmax
+    over a group's levels and points: the same output and gradients in float64."""
+    case = make_flash(**FLASH_CASES[name])
+    n_points = case.args[4]
+
+    def composed(value, spatial_shapes, level_start_index, sampling_loc_attn, n_points):
+        n, lq, g, _ = sampling_loc_attn.shape
+        levels = spatial_shapes.shape[0]
+        points = levels * n_points
+        locations = sampling_loc_attn[..., : 2 * points].reshape(n, lq, g, levels, n_points, 2)
+        weights = sampling_loc_attn[..., 2 * points:].softmax(-1).reshape(n, lq, g, levels, n_points)
+        return deform_conv.ms_deform_attn(value, spatial_shapes, level_start_index, locations, weights)
+
+    assert n_points == FLASH_CASES[name]["n_points"]
+    assert_all_close(output_and_grads(PUBLIC["flash_deform_attn"], case), output_and_grads(composed, case),
+                     GRAD_NAMES["flash_deform_attn"], **TOL)
