@@ -29,6 +29,7 @@ GEOMETRIES = {
                            batch=1),
     "remove_center_3x3_scale2": dict(kernel=3, stride=1, padding=1, dilation=(2, 1), group=3, group_channels=3,
                                      remove_center=True, offset_scale=2.0),
+    "k1x1_remove_center_K0": dict(kernel=1, stride=1, padding=(1, 0), dilation=1, remove_center=True),
     "offsets_N0_10": dict(offset_std=10.0),
     "offsets_pm1e6": dict(far_fraction=0.5, offset_scale=0.5),
     "batch0": dict(batch=0),

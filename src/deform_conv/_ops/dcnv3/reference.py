@@ -34,7 +34,7 @@ def grid_sum(input: Tensor, s: GridSizes, x: Tensor, y: Tensor, weights: Tensor)
     n, h, w, c = input.shape
     g, k = s.group, s.points
     images = input.to(x.dtype).reshape(n, h, w, g, c // g).permute(0, 3, 4, 1, 2)  # [N, G, C, H, W]
-    flat = lambda t: t.permute(0, 3, 1, 2, 4).reshape(n, g, -1)  # noqa: E731  [N, G, H_out * W_out * K]
+    flat = lambda t: t.permute(0, 3, 1, 2, 4).reshape(n, g, s.out_height * s.out_width * k)  # noqa: E731
     # InternImage's kernel leaves a point at exactly -1 out: mmcv's derivative there.
     samples = _bilinear(images, flat(y), flat(x), "mmcv").view(n, g, c // g, s.out_height, s.out_width, k)
     out = (samples * weights.to(x.dtype).permute(0, 3, 1, 2, 4).unsqueeze(2)).sum(-1)  # [N, G, C, H_out, W_out]

@@ -118,4 +118,5 @@ def use_compiled_kernels(devices: Set[str]) -> None:
     """As dcnv3's."""
     if "cpu" in devices:
         register_op("dcnv4", _forward_fake, _backward_fake, _backward, _setup_context, _autocast_kernel)
-    _compiled_devices.update(devices)
+    # Meta tensors go to the op too once its schema is loaded: its fake kernel infers their shapes.
+    _compiled_devices.update(devices | ({"meta"} if "cpu" in devices else set()))

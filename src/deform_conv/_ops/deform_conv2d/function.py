@@ -204,4 +204,5 @@ def use_compiled_kernels(devices: Set[str]) -> None:
             "deform_conv::deform_conv2d_backward", _no_double_backward, setup_context=lambda ctx, inputs, output: None
         )
         _register_autocast()
-    _compiled_devices.update(devices)
+    # Meta tensors go to the op too once its schema is loaded: its fake kernel infers their shapes.
+    _compiled_devices.update(devices | ({"meta"} if "cpu" in devices else set()))

@@ -167,4 +167,5 @@ def use_compiled_kernels(devices: Set[str]) -> None:
         _autocast_library = torch.library.Library("deform_conv", "IMPL")
         for device_type, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
             _autocast_library.impl("ms_deform_attn", _autocast_kernel(device_type), key)
-    _compiled_devices.update(devices)
+    # Meta tensors go to the op too once its schema is loaded: its fake kernel infers their shapes.
+    _compiled_devices.update(devices | ({"meta"} if "cpu" in devices else set()))

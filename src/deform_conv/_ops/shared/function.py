@@ -23,7 +23,10 @@ def autocast_inputs(*tensors):
     checks, which want one dtype, see what the kernels will get. Under autocast the tensors of a layer often differ
     (a Linear's bfloat16 output beside float32 locations or a float32 input)."""
     first = next((t for t in tensors if isinstance(t, Tensor)), None)
-    if first is None or not torch.is_autocast_enabled(first.device.type):
+    # Autocast exists for some device types only (not "meta": an all-meta call is checked as the op would be).
+    if first is None or first.device.type not in ("cpu", "cuda", "xpu", "mps", "hpu", "xla"):
+        return tensors
+    if not torch.is_autocast_enabled(first.device.type):
         return tensors
     dtype = torch.get_autocast_dtype(first.device.type)
     return tuple(autocast_cast(t, dtype) for t in tensors)

@@ -53,6 +53,15 @@ ConvGrid make_dcnv3_grid(const at::Tensor& input, at::IntArrayRef kernel_size, a
   return g;
 }
 
+void check_grid_grad_output(const ConvGrid& g, const at::Tensor& grad_output, const at::Tensor& input) {
+  family::check_dense(grad_output, "grad_output", 4, "[N, H_out, W_out, group * group_channels]");
+  TORCH_CHECK(grad_output.scalar_type() == input.scalar_type(), "grad_output must have input's dtype ",
+              input.scalar_type(), ", got ", grad_output.scalar_type());
+  family::check_device(grad_output, "grad_output", input, "input");
+  family::check_shape(grad_output, "grad_output", {input.size(0), g.out_height(), g.out_width(), input.size(3)},
+                      "[N, H_out, W_out, group * group_channels]");
+}
+
 GridCall grid_call(const ConvGrid& grid, const at::Tensor& input, int64_t group) {
   const int64_t batch = input.size(0), channels = input.size(3);
   return {input.contiguous().view({batch, grid.height * grid.width, group, channels / group}),
@@ -105,12 +114,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward(
   const ConvGrid g =
       checked_dcnv3(input, offset, mask, kernel_size, stride, padding, dilation, group, offset_scale, remove_center);
   const int64_t batch = input.size(0), points = g.points(), channels = input.size(3);
-  family::check_dense(grad_output, "grad_output", 4, "[N, H_out, W_out, group * group_channels]");
-  TORCH_CHECK(grad_output.scalar_type() == input.scalar_type(), "grad_output must have input's dtype ",
-              input.scalar_type(), ", got ", grad_output.scalar_type());
-  family::check_device(grad_output, "grad_output", input, "input");
-  family::check_shape(grad_output, "grad_output", {batch, g.out_height(), g.out_width(), channels},
-                      "[N, H_out, W_out, group * group_channels]");
+  check_grid_grad_output(g, grad_output, input);
   const GridCall call = grid_call(g, input, group);
   const at::Tensor pts = grid_points(
       g, offset.reshape({batch, g.out_height(), g.out_width(), group, points, 2}),

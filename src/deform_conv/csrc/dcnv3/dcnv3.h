@@ -19,6 +19,9 @@ ConvGrid make_dcnv3_grid(const at::Tensor& input, at::IntArrayRef kernel_size, a
                          at::IntArrayRef padding, at::IntArrayRef dilation, int64_t group, double offset_scale,
                          bool remove_center);
 
+// A backward's grad_output: the forward output's shape [N, H_out, W_out, G * C], input's dtype and device.
+void check_grid_grad_output(const ConvGrid& grid, const at::Tensor& grad_output, const at::Tensor& input);
+
 // The family's conv-layout arguments, shared with DCNv4: input as the kernels' value [N, H * W, G, C] and the grid's
 // single level.
 struct GridCall {

@@ -60,12 +60,7 @@ std::tuple<at::Tensor, at::Tensor> dcnv4_backward(const SampledSumKernels& kerne
   const ConvGrid g =
       checked_dcnv4(input, offset_mask, kernel_size, stride, padding, dilation, group, offset_scale, remove_center);
   const int64_t batch = input.size(0), channels = input.size(3), k = g.points();
-  family::check_dense(grad_output, "grad_output", 4, "[N, H_out, W_out, group * group_channels]");
-  TORCH_CHECK(grad_output.scalar_type() == input.scalar_type(), "grad_output must have input's dtype ",
-              input.scalar_type(), ", got ", grad_output.scalar_type());
-  family::check_device(grad_output, "grad_output", input, "input");
-  family::check_shape(grad_output, "grad_output", {batch, g.out_height(), g.out_width(), channels},
-                      "[N, H_out, W_out, group * group_channels]");
+  check_grid_grad_output(g, grad_output, input);
   const at::ScalarType dtype = point_dtype(input.scalar_type());
   const auto [offsets, mask] = split(g, offset_mask, group);
   const at::Tensor weights = softmax ? softmax_weights(mask, dtype) : mask;

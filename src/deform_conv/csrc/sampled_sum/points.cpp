@@ -70,7 +70,9 @@ std::pair<at::Tensor, at::Tensor> grid_points_backward(const ConvGrid& g, const 
   const int64_t batch = grad_points.size(0), groups = grad_points.size(2), points = g.points();
   const at::Tensor offsets = grad_points.narrow(-1, 0, 2).mul(g.offset_scale)
                                  .reshape({batch, g.out_height(), g.out_width(), groups, points, 2});
-  const at::Tensor weights = grad_points.select(-1, 2).reshape({batch, g.out_height(), g.out_width(), groups, points});
+  // Contiguous copies, not views into the points' gradient: the ops return them as they are.
+  const at::Tensor weights =
+      grad_points.select(-1, 2).reshape({batch, g.out_height(), g.out_width(), groups, points}).contiguous();
   return {offsets, weights};
 }
 
@@ -90,7 +92,7 @@ std::pair<at::Tensor, at::Tensor> level_points_backward(const at::Tensor& grad_p
   const at::Tensor widths = per_point(spatial_shapes, 1, points_per_level, dtype);
   const at::Tensor heights = per_point(spatial_shapes, 0, points_per_level, dtype);
   const at::Tensor locations = at::stack({grad_points.select(-1, 0).mul(widths), grad_points.select(-1, 1).mul(heights)}, -1);
-  return {locations, grad_points.select(-1, 2)};
+  return {locations, grad_points.select(-1, 2).contiguous()};
 }
 
 at::Tensor point_levels(int64_t levels, int64_t points_per_level, const at::Tensor& like) {

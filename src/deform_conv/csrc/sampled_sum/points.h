@@ -35,7 +35,7 @@ at::Tensor grid_points(const ConvGrid& grid, const at::Tensor& offsets, const at
                        at::ScalarType dtype);
 
 // The points' gradient [N, Q, G, K, 3] -> the offsets' [N, Ho, Wo, G, K, 2] and the weights' [N, Ho, Wo, G, K]
-// (in the points' dtype).
+// (in the points' dtype), contiguous.
 std::pair<at::Tensor, at::Tensor> grid_points_backward(const ConvGrid& grid, const at::Tensor& grad_points);
 
 // FlashDeformAttn's points: locations [N, Lq, G, L * K, 2] (x, y in [0, 1], grid_sample's align_corners=False, as
@@ -44,7 +44,7 @@ std::pair<at::Tensor, at::Tensor> grid_points_backward(const ConvGrid& grid, con
 at::Tensor level_points(const at::Tensor& locations, const at::Tensor& weights, const at::Tensor& spatial_shapes,
                         int64_t points_per_level, at::ScalarType dtype);
 
-// The points' gradient -> the locations' [N, Lq, G, L * K, 2] and the weights' [N, Lq, G, L * K].
+// The points' gradient -> the locations' [N, Lq, G, L * K, 2] and the weights' [N, Lq, G, L * K], contiguous.
 std::pair<at::Tensor, at::Tensor> level_points_backward(const at::Tensor& grad_points,
                                                         const at::Tensor& spatial_shapes, int64_t points_per_level);
 
