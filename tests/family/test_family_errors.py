@@ -13,6 +13,7 @@ import torch
 
 import deform_conv
 
+from helpers.errors_doc import ERRORS, table
 from helpers.family import PUBLIC, Case, make_dcnv3, make_dcnv4, make_flash
 
 # The standard cases: dcnv3 on input (2, 7, 6, 15) float32, kernel 3x2, stride (2, 1), padding (1, 0), dilation
@@ -45,112 +46,84 @@ def dtype(d):
     return lambda t: t.to(d)
 
 
-# (op, changes, error type, the Python message's start, the argument the C++ message names first)
-ROWS = {
-    "dcnv3 input 3-D": ("dcnv3", dict(input=lambda t: t[0]), ValueError, r"input must be a 4-D tensor", "input"),
-    "dcnv3 offset 3-D": ("dcnv3", dict(offset=lambda t: t[0]), ValueError, r"offset must be a 4-D tensor", "offset"),
-    "dcnv3 mask 5-D": ("dcnv3", dict(mask=lambda t: t[..., None]), ValueError, r"mask must be a 4-D tensor", "mask"),
-    "dcnv3 int input": ("dcnv3", dict(input=dtype(torch.int32)), TypeError,
-                        r"input must be float16, bfloat16, float32 or float64, got torch.int32", "input"),
-    "dcnv3 float64 offset beside float32 input": ("dcnv3", dict(offset=dtype(torch.float64)), TypeError,
-                                                  r"offset must have input's dtype torch.float32, got torch.float64",
-                                                  "offset"),
+# id (docs/errors.md's tables, which give the error and its message) -> (op, changes to its standard case, the
+# argument the C++ message names first)
+CALLS = {
+    "dcnv3 input sparse": ("dcnv3", dict(input=lambda t: t.to_sparse()), "input"),
+    "dcnv3 offset sparse": ("dcnv3", dict(offset=lambda t: t.to_sparse()), "offset"),
+    "dcnv4 offset_mask sparse": ("dcnv4", dict(offset_mask=lambda t: t.to_sparse()), "offset_mask"),
+    "flash value sparse": ("flash_deform_attn", dict(value=lambda t: t.to_sparse()), "value"),
+    "dcnv3 input 3-D": ("dcnv3", dict(input=lambda t: t[0]), "input"),
+    "dcnv3 offset 3-D": ("dcnv3", dict(offset=lambda t: t[0]), "offset"),
+    "dcnv3 mask 5-D": ("dcnv3", dict(mask=lambda t: t[..., None]), "mask"),
+    "dcnv3 int input": ("dcnv3", dict(input=dtype(torch.int32)), "input"),
+    "dcnv3 float64 offset beside float32 input": ("dcnv3", dict(offset=dtype(torch.float64)), "offset"),
     "dcnv3 float16 offset beside bfloat16 input": (
-        "dcnv3", dict(input=dtype(torch.bfloat16), offset=dtype(torch.float16)), TypeError,
-        r"offset must have input's dtype torch.bfloat16 or float32, got torch.float16", "offset"),
-    "dcnv3 float64 mask beside float32 input": ("dcnv3", dict(mask=dtype(torch.float64)), TypeError,
-                                                r"mask must have input's dtype torch.float32, got torch.float64",
-                                                "mask"),
-    "dcnv3 meta offset beside cpu input": ("dcnv3", dict(offset=lambda t: t.to("meta")), ValueError,
-                                           r"offset must be on input's device cpu, got meta", "offset"),
-    "dcnv3 offset shape": ("dcnv3", dict(offset=lambda t: t[..., :-2]), ValueError,
-                           r"offset must have shape \(2, 3, 5, 36\) \[N, H_out, W_out, group \* K \* 2\], "
-                           r"got \(2, 3, 5, 34\)", "offset"),
-    "dcnv3 mask shape": ("dcnv3", dict(mask=lambda t: t[:, :2]), ValueError,
-                         r"mask must have shape \(2, 3, 5, 18\) \[N, H_out, W_out, group \* K\], got \(2, 2, 5, 18\)",
-                         "mask"),
-    "dcnv3 channels not divisible by group": ("dcnv3", dict(input=lambda t: t[..., :14]), ValueError,
-                                              r"input's channels \(input.shape\[3\] = 14\) must be divisible by "
-                                              r"group = 3", "input"),
-    "dcnv3 group 0": ("dcnv3", dict(group=0), ValueError, r"group must be >= 1, got 0", "group"),
-    "dcnv3 kernel_size 0": ("dcnv3", dict(kernel_size=[0, 2]), ValueError,
-                            r"kernel_size must be >= 1 in both dimensions, got \(0, 2\)", "kernel_size"),
-    "dcnv3 stride 0": ("dcnv3", dict(stride=[2, 0]), ValueError, r"stride must be >= 1", "stride"),
-    "dcnv3 padding -1": ("dcnv3", dict(padding=[-1, 0]), ValueError, r"padding must be >= 0", "padding"),
-    "dcnv3 dilation 0": ("dcnv3", dict(dilation=[0, 1]), ValueError, r"dilation must be >= 1", "dilation"),
-    "dcnv3 kernel bigger than the padded input": (
-        "dcnv3", dict(kernel_size=[6, 2]), ValueError,
-        r"the kernel \(11x2 pixels with dilation\) must fit in the padded input \(9x6\)", "kernel"),
-    "dcnv3 remove_center with an even kernel": ("dcnv3", dict(remove_center=True), ValueError,
-                                                r"remove_center needs an odd kernel_size in both dimensions, "
-                                                r"got \(3, 2\)", "remove_center"),
-    "dcnv3 offset_scale nan": ("dcnv3", dict(offset_scale=math.nan), ValueError,
-                               r"offset_scale must be finite, got nan", "offset_scale"),
-    "dcnv3 offset_scale inf": ("dcnv3", dict(offset_scale=-math.inf), ValueError,
-                               r"offset_scale must be finite, got -inf", "offset_scale"),
-    "dcnv4 offset_mask 3-D": ("dcnv4", dict(offset_mask=lambda t: t[0]), ValueError,
-                              r"offset_mask must be a 4-D tensor", "offset_mask"),
-    "dcnv4 float64 offset_mask": ("dcnv4", dict(offset_mask=dtype(torch.float64)), TypeError,
-                                  r"offset_mask must have input's dtype torch.float32, got torch.float64",
-                                  "offset_mask"),
-    "dcnv4 meta offset_mask": ("dcnv4", dict(offset_mask=lambda t: t.to("meta")), ValueError,
-                               r"offset_mask must be on input's device cpu, got meta", "offset_mask"),
-    "dcnv4 P too small": ("dcnv4", dict(offset_mask=lambda t: t[..., :53]), ValueError,
-                          r"offset_mask must have shape \(2, 3, 5, P\) with P >= group \* K \* 3 = 54 "
-                          r"\[N, H_out, W_out, P\], got \(2, 3, 5, 53\)", "offset_mask"),
-    "dcnv4 offset_mask batch": ("dcnv4", dict(offset_mask=lambda t: t[:1]), ValueError,
-                                r"offset_mask must have shape \(2, 3, 5, P\)", "offset_mask"),
-    "dcnv4 group 0": ("dcnv4", dict(group=0), ValueError, r"group must be >= 1, got 0", "group"),
-    "dcnv4 remove_center with an even kernel": ("dcnv4", dict(remove_center=True), ValueError,
-                                                r"remove_center needs an odd kernel_size", "remove_center"),
-    "flash value 3-D": ("flash_deform_attn", dict(value=lambda t: t[0]), ValueError, r"value must be a 4-D tensor",
-                        "value"),
-    "flash int value": ("flash_deform_attn", dict(value=dtype(torch.int64)), TypeError,
-                        r"value must be float16, bfloat16, float32 or float64, got torch.int64", "value"),
-    "flash float64 sampling_loc_attn": ("flash_deform_attn", dict(sampling_loc_attn=dtype(torch.float64)), TypeError,
-                                        r"sampling_loc_attn must have value's dtype torch.float32, got "
-                                        r"torch.float64", "sampling_loc_attn"),
+        "dcnv3", dict(input=dtype(torch.bfloat16), offset=dtype(torch.float16)), "offset"),
+    "dcnv3 float64 mask beside float32 input": ("dcnv3", dict(mask=dtype(torch.float64)), "mask"),
+    "dcnv3 meta offset beside cpu input": ("dcnv3", dict(offset=lambda t: t.to("meta")), "offset"),
+    "dcnv3 offset shape": ("dcnv3", dict(offset=lambda t: t[..., :-2]), "offset"),
+    "dcnv3 mask shape": ("dcnv3", dict(mask=lambda t: t[:, :2]), "mask"),
+    "dcnv3 channels not divisible by group": ("dcnv3", dict(input=lambda t: t[..., :14]), "input"),
+    "dcnv3 group 0": ("dcnv3", dict(group=0), "group"),
+    "dcnv3 kernel_size 0": ("dcnv3", dict(kernel_size=[0, 2]), "kernel_size"),
+    "dcnv3 stride 0": ("dcnv3", dict(stride=[2, 0]), "stride"),
+    "dcnv3 padding -1": ("dcnv3", dict(padding=[-1, 0]), "padding"),
+    "dcnv3 dilation 0": ("dcnv3", dict(dilation=[0, 1]), "dilation"),
+    "dcnv3 kernel bigger than the padded input": ("dcnv3", dict(kernel_size=[6, 2]), "kernel"),
+    "dcnv3 remove_center with an even kernel": ("dcnv3", dict(remove_center=True), "remove_center"),
+    "dcnv3 offset_scale nan": ("dcnv3", dict(offset_scale=math.nan), "offset_scale"),
+    "dcnv3 offset_scale inf": ("dcnv3", dict(offset_scale=-math.inf), "offset_scale"),
+    "dcnv4 offset_mask 3-D": ("dcnv4", dict(offset_mask=lambda t: t[0]), "offset_mask"),
+    "dcnv4 float64 offset_mask": ("dcnv4", dict(offset_mask=dtype(torch.float64)), "offset_mask"),
+    "dcnv4 meta offset_mask": ("dcnv4", dict(offset_mask=lambda t: t.to("meta")), "offset_mask"),
+    "dcnv4 P too small": ("dcnv4", dict(offset_mask=lambda t: t[..., :53]), "offset_mask"),
+    "dcnv4 offset_mask batch": ("dcnv4", dict(offset_mask=lambda t: t[:1]), "offset_mask"),
+    "dcnv4 group 0": ("dcnv4", dict(group=0), "group"),
+    "dcnv4 remove_center with an even kernel": ("dcnv4", dict(remove_center=True), "remove_center"),
+    "flash value 3-D": ("flash_deform_attn", dict(value=lambda t: t[0]), "value"),
+    "flash int value": ("flash_deform_attn", dict(value=dtype(torch.int64)), "value"),
+    "flash float64 sampling_loc_attn": (
+        "flash_deform_attn", dict(sampling_loc_attn=dtype(torch.float64)), "sampling_loc_attn"),
     "flash float16 sampling_loc_attn beside bfloat16 value": (
-        "flash_deform_attn", dict(value=dtype(torch.bfloat16), sampling_loc_attn=dtype(torch.float16)), TypeError,
-        r"sampling_loc_attn must have value's dtype torch.bfloat16 or float32, got torch.float16",
-        "sampling_loc_attn"),
-    "flash int32 spatial_shapes": ("flash_deform_attn", dict(spatial_shapes=dtype(torch.int32)), TypeError,
-                                   r"spatial_shapes must be an int64 \(torch.long\) tensor, got torch.int32",
-                                   "spatial_shapes"),
-    "flash meta sampling_loc_attn": ("flash_deform_attn", dict(sampling_loc_attn=lambda t: t.to("meta")), ValueError,
-                                     r"sampling_loc_attn must be on value's device cpu, got meta",
-                                     "sampling_loc_attn"),
-    "flash n_points 0": ("flash_deform_attn", dict(n_points=0), ValueError, r"n_points must be >= 1, got 0",
-                         "n_points"),
-    "flash sampling_loc_attn shape": ("flash_deform_attn", dict(n_points=3), ValueError,
-                                      r"sampling_loc_attn must have shape \(2, 6, 3, 27\)", "sampling_loc_attn"),
-    "flash spatial_shapes [L, 3]": ("flash_deform_attn", dict(spatial_shapes=lambda t: torch.cat([t, t[:, :1]], 1)),
-                                    ValueError, r"spatial_shapes must have shape \[levels, 2\]", "spatial_shapes"),
-    "flash level_start_index shape": ("flash_deform_attn", dict(level_start_index=lambda t: t[:2]), ValueError,
-                                      r"level_start_index must have shape \(3,\)", "level_start_index"),
-    "flash spatial_shapes 0 wide": ("flash_deform_attn", dict(spatial_shapes=torch.tensor([[5, 7], [1, 0], [3, 2]])),
-                                    ValueError, r"spatial_shapes\[1\] \(height, width\) must be at least 1x1, "
-                                    r"got \(1, 0\)", "spatial_shapes"),
-    "flash level_start_index value": ("flash_deform_attn", dict(level_start_index=torch.tensor([0, 35, 37])),
-                                      ValueError, r"level_start_index\[2\] must be 36 \(the pixels of the levels "
-                                      r"before it, sum of H_l \* W_l\), got 37", "level_start_index"),
-    "flash levels larger than value": ("flash_deform_attn", dict(spatial_shapes=torch.tensor([[5, 7], [1, 1],
-                                                                                             [3, 3]])),
-                                       ValueError, r"value.shape\[1\] must be the levels' pixel count "
-                                       r"sum\(H_l \* W_l\) = 45 from spatial_shapes, got 42", "value"),
+        "flash_deform_attn", dict(value=dtype(torch.bfloat16), sampling_loc_attn=dtype(torch.float16)), "sampling_loc_attn"),
+    "flash int32 spatial_shapes": ("flash_deform_attn", dict(spatial_shapes=dtype(torch.int32)), "spatial_shapes"),
+    "flash meta sampling_loc_attn": (
+        "flash_deform_attn", dict(sampling_loc_attn=lambda t: t.to("meta")), "sampling_loc_attn"),
+    "flash n_points 0": ("flash_deform_attn", dict(n_points=0), "n_points"),
+    "flash sampling_loc_attn shape": ("flash_deform_attn", dict(n_points=3), "sampling_loc_attn"),
+    "flash spatial_shapes [L, 3]": (
+        "flash_deform_attn", dict(spatial_shapes=lambda t: torch.cat([t, t[:, :1]], 1)), "spatial_shapes"),
+    "flash level_start_index shape": (
+        "flash_deform_attn", dict(level_start_index=lambda t: t[:2]), "level_start_index"),
+    "flash spatial_shapes 0 wide": (
+        "flash_deform_attn", dict(spatial_shapes=torch.tensor([[5, 7], [1, 0], [3, 2]])), "spatial_shapes"),
+    "flash level_start_index value": (
+        "flash_deform_attn", dict(level_start_index=torch.tensor([0, 35, 37])), "level_start_index"),
+    "flash levels larger than value": (
+        "flash_deform_attn", dict(spatial_shapes=torch.tensor([[5, 7], [1, 1],
+                                                                                             [3, 3]])), "value"),
 }
 
 
+DOCUMENTED = {**table("dcnv3"), **table("dcnv4"), **table("flash_deform_attn")}
+
+
 def call_row(row: str, fn):
-    op, changes, *_ = ROWS[row]
+    op, changes, _ = CALLS[row]
     return fn(op)(*changed(STANDARD[op](), **changes))
 
 
-@pytest.mark.parametrize("row", sorted(ROWS))
-def test_public_function_raises_the_python_error(row):
-    _, _, error, message, _ = ROWS[row]
-    with pytest.raises(error, match="^" + message):
+def test_every_documented_row_is_tested_and_every_tested_input_documented():
+    assert set(DOCUMENTED) == set(CALLS)
+
+
+@pytest.mark.parametrize("row", sorted(CALLS))
+def test_public_function_raises_the_documented_error(row):
+    error, message = DOCUMENTED[row]
+    with pytest.raises(ERRORS[error]) as raised:
         call_row(row, lambda op: PUBLIC[op])
+    assert str(raised.value) == message
 
 
 def backward(op: str):
@@ -160,20 +133,22 @@ def backward(op: str):
 
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])
-@pytest.mark.parametrize("row", sorted(ROWS))
+@pytest.mark.parametrize("row", sorted(CALLS))
 def test_direct_op_call_has_the_cpp_backstop(row, direction):
     """Straight to torch.ops.deform_conv (no Python checks): the C++ checks raise a RuntimeError whose first line
     names the argument. A meta tensor among CPU ones dispatches to the fake kernel instead, whose Python checks
-    raise the public function's ValueError."""
-    _, _, error, message, argument = ROWS[row]
-    meta = "meta" in row
+    raise the public function's ValueError; a sparse tensor to the sparse keys' kernel, which raises its
+    TypeError."""
+    _, _, argument = CALLS[row]
+    message = DOCUMENTED[row][1]
+    meta, sparse = "meta" in row, "sparse" in row
     fn = (lambda op: getattr(torch.ops.deform_conv, op)) if direction == "forward" else backward
-    with pytest.raises(ValueError if meta else RuntimeError) as raised:
+    with pytest.raises(ValueError if meta else TypeError if sparse else RuntimeError) as raised:
         call_row(row, fn)
     first_line = str(raised.value).splitlines()[0]
     assert re.match(rf"^(the )?{re.escape(argument)}\b", first_line), f"{first_line!r} does not name {argument}"
-    if meta:
-        assert re.match("^" + message, first_line)
+    if meta or sparse:  # the fake kernel's Python checks, or the sparse keys' kernel: the public message
+        assert first_line == message
 
 
 @pytest.mark.parametrize("op", sorted(STANDARD))

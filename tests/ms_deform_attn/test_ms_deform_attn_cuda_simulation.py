@@ -170,7 +170,8 @@ def test_non_finite_locations_and_weights_as_the_cpu_kernels(deterministic):
 def test_levels_that_do_not_fit_sample_nan_and_read_nothing(deterministic):
     """On a GPU the host does not read spatial_shapes (a device synchronisation a call), so the kernels check each
     level themselves: one whose pixels would run past value's samples NaN and reads nothing (the sanitizer run
-    checks the nothing); the others are unaffected."""
+    checks the nothing); the others are unaffected. (With the host code's device-side check off, which stops such
+    a call first: test_inconsistent_levels_are_refused_on_the_device.)"""
     a = make_attention([(3, 4), (2, 2)])
     starts = a.level_start_index.clone()
     starts[1] = 13  # 13 + 2 * 2 > 16 pixels
@@ -179,7 +180,7 @@ def test_levels_that_do_not_fit_sample_nan_and_read_nothing(deterministic):
     good = a._replace(spatial_shapes=a.spatial_shapes[:1], level_start_index=a.level_start_index[:1],
                       value=a.value[:, :12], sampling_locations=a.sampling_locations[:, :, :, :1].contiguous(),
                       attention_weights=a.attention_weights[:, :, :, :1].contiguous())
-    with deterministic_algorithms(deterministic):
+    with simulation_options(level_checks=False), deterministic_algorithms(deterministic):
         out, grad_value, grad_locations, grad_weights = simulated(bad, grad_output)
         expected = sim.ms_deform_attn_backward(grad_output, *good)
     assert torch.isnan(out).all()  # every head samples level 1
@@ -187,6 +188,28 @@ def test_levels_that_do_not_fit_sample_nan_and_read_nothing(deterministic):
     torch.testing.assert_close(grad_value[:, :12], expected[0], rtol=0, atol=0)  # level 0 alone, the same bits
     assert torch.equal(grad_value[:, 12:], torch.zeros_like(grad_value[:, 12:]))
     torch.testing.assert_close(grad_locations[:, :, :, :1], expected[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["starts all 0", "overlapping levels", "pixels beyond the levels", "level 0x4"])
+def test_inconsistent_levels_are_refused_on_the_device(case):
+    """Level metadata the GPU path cannot read on the host (it would synchronise) is checked on the device
+    (torch._assert_async, which fails at the next synchronisation on a GPU and at once in the simulation), forward
+    and backward: before, levels that fit but contradict each other sampled the wrong pixels without a word."""
+    a = make_attention([(3, 4), (2, 2)])  # 16 pixels, levels starting at 0 and 12
+    shapes, starts, value = a.spatial_shapes.clone(), a.level_start_index.clone(), a.value
+    if case == "starts all 0":
+        starts[:] = 0
+    elif case == "overlapping levels":
+        starts[1] = 10
+    elif case == "pixels beyond the levels":
+        value = torch.cat([value, value[:, :3]], 1)  # 19 pixels, the levels cover 16
+    else:
+        shapes[0] = torch.tensor([0, 4])
+    bad = a._replace(spatial_shapes=shapes, level_start_index=starts, value=value)
+    with pytest.raises(RuntimeError, match="checked on the device"):
+        sim.ms_deform_attn(*bad)
+    with pytest.raises(RuntimeError, match="checked on the device"):
+        sim.ms_deform_attn_backward(grad_output_for(a), *bad)
 
 
 def test_non_contiguous_inputs():

@@ -431,3 +431,13 @@ def test_msda_does_not_replace_another_module_unless_asked(clean_msda):
     ours = install_multiscale_deformable_attention(replace=True)
     assert sys.modules[MSDA_MODULE_NAME] is ours and ours is not theirs
     assert ours is deform_conv.compat.install_multiscale_deformable_attention()
+
+
+def test_module_names_an_overflowing_pixel_count():
+    """Levels whose pixel count overflows int64: named as an overflow (an int64 sum would wrap around to a count
+    that might even match input_flatten)."""
+    module = deform_conv.MSDeformAttn(d_model=8, n_levels=2, n_heads=2, n_points=1)
+    shapes = torch.tensor([[2**32, 2**32], [2**32, 2**32]])  # 2 * 2**64 pixels: 0 in wrapped int64 arithmetic
+    with pytest.raises(ValueError, match=r"^input_spatial_shapes: the levels' pixel count sum\(H_l \* W_l\) = "
+                                         r"36893488147419103232 overflows int64$"):
+        module(torch.randn(1, 2, 8), torch.rand(1, 2, 2, 2), torch.randn(1, 0, 8), shapes, torch.tensor([0, 1]))

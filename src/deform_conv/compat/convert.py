@@ -1,5 +1,5 @@
 """Models built on other libraries' deformable layers: ``convert_modules`` swaps torchvision's,
-mmcv's and detectron2's layers for ours, and ``Detectron2DeformConv`` is the layer detectron2's become.
+mmcv's, detectron2's, InternImage's and the DCNv4 repository's layers for ours, and ``Detectron2DeformConv`` is the layer detectron2's become.
 
 Sources are recognised by the module that defines their class and its name, never by importing the library:
 this module imports neither mmcv nor detectron2."""
@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .._ops.shared.checks import IntPair
-from ..nn import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack
+from ..nn import DCNv3, DCNv4, DeformConv2d, DeformConv2dPack, FlashDeformAttn, ModulatedDeformConv2dPack
 
 
 class Detectron2DeformConv(DeformConv2d):
@@ -120,6 +120,30 @@ def _from_detectron2(m: nn.Module) -> nn.Module:
                                 activation=m.activation)
 
 
+def _norm_and_activation(m: nn.Module) -> Tuple[str, str]:
+    """InternImage's DCNv3 keeps neither norm_layer nor act_layer: read them off its dw_conv (depthwise conv, norm,
+    activation)."""
+    norm = "BN" if any(isinstance(layer, nn.BatchNorm2d) for layer in m.dw_conv[1].modules()) else "LN"
+    return norm, type(m.dw_conv[2]).__name__
+
+
+def _from_internimage_dcnv3(m: nn.Module) -> nn.Module:
+    norm, act = _norm_and_activation(m)
+    return DCNv3(m.channels, m.kernel_size, m.dw_kernel_size, m.stride, m.pad, m.dilation, m.group, m.offset_scale,
+                 act_layer=act, norm_layer=norm, center_feature_scale=m.center_feature_scale,
+                 remove_center=bool(m.remove_center))
+
+
+def _from_dcnv4(m: nn.Module) -> nn.Module:
+    output_bias = m.without_pointwise or m.output_proj.bias is not None
+    return DCNv4(m.channels, m.kernel_size, m.stride, m.pad, m.dilation, m.group, m.offset_scale, m.dw_kernel_size,
+                 m.center_feature_scale, bool(m.remove_center), output_bias, m.without_pointwise)
+
+
+def _from_flash_deform_attn(m: nn.Module) -> nn.Module:
+    return FlashDeformAttn(m.d_model, m.n_levels, m.n_heads, m.n_points)
+
+
 # (defining module, class name) -> how to build ours. Exact classes only: a subclass defined elsewhere may
 # change the forward, and a silent swap would drop that change.
 _CONVERSIONS: Dict[Tuple[str, str], Callable[[nn.Module], nn.Module]] = {
@@ -132,16 +156,38 @@ _CONVERSIONS: Dict[Tuple[str, str], Callable[[nn.Module], nn.Module]] = {
     ("detectron2.layers.deform_conv", "ModulatedDeformConv"): _from_detectron2,
 }
 
-_OURS = (DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack)
+# InternImage's and the DCNv4 repository's modules live in packages copied into each project (InternImage's
+# classification/, detection/ and segmentation/ each hold an ops_dcnv3), imported under a name that ends the same
+# way: (the defining module's last components, class name) -> how to build ours.
+_SUFFIX_CONVERSIONS: Dict[Tuple[str, str], Callable[[nn.Module], nn.Module]] = {
+    ("ops_dcnv3.modules.dcnv3", "DCNv3"): _from_internimage_dcnv3,
+    ("ops_dcnv3.modules.dcnv3", "DCNv3_pytorch"): _from_internimage_dcnv3,
+    ("DCNv4.modules.dcnv4", "DCNv4"): _from_dcnv4,
+    ("DCNv4.modules.flash_deform_attn", "FlashDeformAttn"): _from_flash_deform_attn,
+}
+
+_OURS = (DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack, DCNv3, DCNv4, FlashDeformAttn)
 
 
 def _class_key(cls: type) -> Tuple[str, str]:
     return cls.__module__, cls.__qualname__
 
 
+def _conversion(cls: type) -> Optional[Callable[[nn.Module], nn.Module]]:
+    """How to build ours from an instance of ``cls``, or None: by its exact class (defining module and name)."""
+    module, name = _class_key(cls)
+    if (module, name) in _CONVERSIONS:
+        return _CONVERSIONS[(module, name)]
+    for (suffix, known), build in _SUFFIX_CONVERSIONS.items():
+        if name == known and (module == suffix or module.endswith("." + suffix)):
+            return build
+    return None
+
+
 def _looks_deformable(cls: type) -> bool:
     name = cls.__name__.lower()
-    return "deformconv" in name or "dcn" in name or any(_class_key(base) in _CONVERSIONS for base in cls.__mro__)
+    return ("deformconv" in name or "dcn" in name or "deformattn" in name
+            or any(_conversion(base) is not None for base in cls.__mro__))
 
 
 def _tensor_shapes(module: nn.Module) -> Tuple[Dict[str, torch.Size], Dict[str, torch.Size]]:
@@ -167,7 +213,7 @@ def _replacement(module: nn.Module, where: str) -> Optional[nn.Module]:
     try:
         # On the meta device: nothing allocated, no random numbers drawn; _adopt supplies every tensor.
         with torch.device("meta"):
-            new = _CONVERSIONS[_class_key(cls)](module)
+            new = _conversion(cls)(module)
     except (AttributeError, TypeError, ValueError) as error:
         _warn(where, cls, f"its configuration has no equivalent here ({error})")
         return None
@@ -222,6 +268,9 @@ def convert_modules(model: nn.Module) -> nn.Module:
     ``mmcv.ops.DeformConv2dPack``                               ``DeformConv2dPack``
     ``mmcv.ops.ModulatedDeformConv2dPack``                      ``ModulatedDeformConv2dPack``
     ``detectron2.layers.DeformConv``, ``ModulatedDeformConv``   ``compat.Detectron2DeformConv`` (norm, activation)
+    InternImage's ``ops_dcnv3.modules.DCNv3``, ``DCNv3_pytorch``  ``nn.DCNv3``
+    the DCNv4 repository's ``DCNv4.DCNv4``                      ``nn.DCNv4``
+    the DCNv4 repository's ``DCNv4.FlashDeformAttn``            ``nn.FlashDeformAttn``
     ==========================================================  ==============================================
 
     Each replacement computes what the original computes, forward and backward (including the original's
@@ -244,7 +293,7 @@ def convert_modules(model: nn.Module) -> nn.Module:
     for path, module in list(model.named_modules(remove_duplicate=False)):
         if any(done == "" or path.startswith(done + ".") for done in replaced_paths):
             continue  # inside a replaced layer: its sub-layers moved into the replacement as they are
-        if _class_key(type(module)) not in _CONVERSIONS:
+        if _conversion(type(module)) is None:
             continue
         if id(module) not in decided:
             decided[id(module)] = _replacement(module, path)

@@ -4,8 +4,6 @@ The extension itself is never imported here."""
 
 from __future__ import annotations
 
-import importlib.machinery
-import sys
 import types
 from typing import Any, List, Optional
 
@@ -15,6 +13,7 @@ from torch import Tensor
 from .._ops.ms_deform_attn.checks import check_ms_deform_attn_args
 from .._ops.ms_deform_attn.function import _compiled_devices
 from .._ops.ms_deform_attn.reference import ms_deform_attn_reference
+from .installing import install_module, new_module
 
 MSDA_MODULE_NAME = "MultiScaleDeformableAttention"
 
@@ -67,12 +66,9 @@ _msda_module: Optional[types.ModuleType] = None
 
 
 def _make_msda_module() -> types.ModuleType:
-    module = types.ModuleType(MSDA_MODULE_NAME, "Deformable DETR's compiled extension MultiScaleDeformableAttention, "
-                                                "computed by deform_conv (installed by "
-                                                "deform_conv.compat.install_multiscale_deformable_attention).")
-    # A spec of its own: importlib.util.find_spec(name), which some code uses to ask whether the extension is
-    # there, raises on a module in sys.modules whose __spec__ is None.
-    module.__spec__ = importlib.machinery.ModuleSpec(MSDA_MODULE_NAME, None, origin=__name__)
+    module = new_module(MSDA_MODULE_NAME, "Deformable DETR's compiled extension MultiScaleDeformableAttention, "
+                                          "computed by deform_conv (installed by "
+                                          "deform_conv.compat.install_multiscale_deformable_attention).")
     module.ms_deform_attn_forward = _msda_forward
     module.ms_deform_attn_backward = _msda_backward
     return module
@@ -104,13 +100,5 @@ def install_multiscale_deformable_attention(replace: bool = False) -> types.Modu
     global _msda_module
     if _msda_module is None:
         _msda_module = _make_msda_module()
-    if MSDA_MODULE_NAME in sys.modules and sys.modules[MSDA_MODULE_NAME] is not _msda_module and not replace:
-        existing = sys.modules[MSDA_MODULE_NAME]
-        where = getattr(existing, "__file__", None) or repr(existing)
-        raise RuntimeError(
-            f"sys.modules[{MSDA_MODULE_NAME!r}] is already another module ({where}); code that imported it keeps "
-            f"using it. Pass replace=True to install deform_conv's in its place for later imports, or call this "
-            f"before anything imports {MSDA_MODULE_NAME}"
-        )
-    sys.modules[MSDA_MODULE_NAME] = _msda_module
+    install_module(MSDA_MODULE_NAME, _msda_module, replace)
     return _msda_module

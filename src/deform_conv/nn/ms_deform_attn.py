@@ -127,7 +127,11 @@ class MSDeformAttn(nn.Module):
         # argument, value, instead of input_flatten.
         if (input_spatial_shapes.device.type == "cpu" and not torch.jit.is_tracing()
                 and not torch.compiler.is_compiling()):
-            pixels = int((input_spatial_shapes[:, 0] * input_spatial_shapes[:, 1]).sum())
+            # In Python's integers: an int64 product or sum could wrap around to a plausible count.
+            pixels = sum(height * width for height, width in input_spatial_shapes.tolist())
+            if pixels > 2**63 - 1:
+                raise ValueError(f"input_spatial_shapes: the levels' pixel count sum(H_l * W_l) = {pixels} "
+                                 "overflows int64")
             if pixels != input_flatten.shape[1]:
                 raise ValueError(f"input_flatten must have sum(H_l * W_l) = {pixels} pixels (from "
                                  f"input_spatial_shapes) in dim 1, got shape {tuple(input_flatten.shape)}")
@@ -154,18 +158,21 @@ class MSDeformAttn(nn.Module):
         # Softmax over all levels and points of a head together, as Deformable DETR.
         weights = self.attention_weights(query).view(batch, queries, heads, levels * points)
         weights = torch.softmax(weights, -1).view(batch, queries, heads, levels, points)
-        if reference_points.shape[-1] == 2:
-            # Offsets are in pixels of each level: (dx / W_l, dy / H_l).
-            normalizer = torch.stack([input_spatial_shapes[..., 1], input_spatial_shapes[..., 0]], -1)  # [L, 2]
-            locations = reference_points[:, :, None, :, None, :] + offsets / normalizer[None, None, None, :, None, :]
-        else:
-            # Boxes: offsets in units of half the box's size, divided by n_points so that the initial offsets
-            # (p + 1 for point p) stay within the box.
-            locations = (reference_points[:, :, None, :, None, :2]
-                         + offsets / points * reference_points[:, :, None, :, None, 2:] * 0.5)
+        locations = self._locations(reference_points, offsets, input_spatial_shapes)
         output = ms_deform_attn(value, input_spatial_shapes, input_level_start_index, locations, weights,
                                 self.im2col_step)
         return self.output_proj(output)
+
+    def _locations(self, reference_points: Tensor, offsets: Tensor, input_spatial_shapes: Tensor) -> Tensor:
+        """The sampling locations [N, Lq, M, L, P, 2] from the reference points and the offsets."""
+        if reference_points.shape[-1] == 2:
+            # Offsets are in pixels of each level: (dx / W_l, dy / H_l).
+            normalizer = torch.stack([input_spatial_shapes[..., 1], input_spatial_shapes[..., 0]], -1)  # [L, 2]
+            return reference_points[:, :, None, :, None, :] + offsets / normalizer[None, None, None, :, None, :]
+        # Boxes: offsets in units of half the box's size, divided by n_points so that the initial offsets (p + 1 for
+        # point p) stay within the box.
+        return (reference_points[:, :, None, :, None, :2]
+                + offsets / self.n_points * reference_points[:, :, None, :, None, 2:] * 0.5)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, n_levels={self.n_levels}, n_heads={self.n_heads}, n_points={self.n_points}"

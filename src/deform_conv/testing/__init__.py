@@ -38,7 +38,8 @@ class SimulationStatistics(NamedTuple):
 
 
 def load_cuda_simulation(int32_limit: Optional[int] = None, shuffle_blocks: bool = False, seed: int = 0,
-                         budget_bytes: Optional[int] = None, max_blocks: Optional[int] = None) -> _loader.LoadedLibrary:
+                         budget_bytes: Optional[int] = None, max_blocks: Optional[int] = None,
+                         level_checks: bool = True) -> _loader.LoadedLibrary:
     """Loads the CUDA simulation (building it the first time) and sets how it runs.
 
     Args:
@@ -51,6 +52,8 @@ def load_cuda_simulation(int32_limit: Optional[int] = None, shuffle_blocks: bool
             tests take many chunks (at least one image each).
         max_blocks: at most this many blocks a launch (None: as on the GPU, enough for every item), so that the
             kernels' grid-stride loops run more than once.
+        level_checks: whether the host code checks the levels' values on the device (as on a GPU: an inconsistent
+            call raises); False lets the tests reach the kernels' own guard (a level that does not fit samples NaN).
 
     Instrumented with the sanitizers when $DEFORM_CONV_SANITIZE asks for them, as the CPU library is.
     """
@@ -65,7 +68,8 @@ def load_cuda_simulation(int32_limit: Optional[int] = None, shuffle_blocks: bool
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
     if _loaded is None:
         _loaded = _loader.load(Variant("cuda_simulation", sanitize=_settings.sanitizers()))
-    torch.ops.deform_conv_sim.configure(limit, bool(shuffle_blocks), seed, budget_bytes or 0, max_blocks or 0)
+    torch.ops.deform_conv_sim.configure(limit, bool(shuffle_blocks), seed, budget_bytes or 0, max_blocks or 0,
+                                        bool(level_checks))
     return _loaded
 
 

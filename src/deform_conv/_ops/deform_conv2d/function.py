@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..shared.checks import IntPair
 from ..shared.function import autocast_cast, autocast_inputs, in_onnx_export
+from ..shared.registration import refuse_sparse
 from .checks import check_args, check_border_gradient
 from .reference import deform_conv2d_reference
 
@@ -191,6 +192,7 @@ def _register_autocast() -> None:
     _autocast_library = torch.library.Library("deform_conv", "IMPL")
     for device_type, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
         _autocast_library.impl("deform_conv2d", _autocast_kernel(device_type), key)
+    refuse_sparse("deform_conv2d")
 
 
 def use_compiled_kernels(devices: Set[str]) -> None:

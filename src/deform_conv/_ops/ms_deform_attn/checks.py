@@ -12,7 +12,7 @@ from typing import List, NamedTuple
 import torch
 from torch import Tensor
 
-from ..shared.checks import SUPPORTED_DTYPES, _check_tensor, _shape, check_point_dtype
+from ..shared.checks import INT64_MAX, SUPPORTED_DTYPES, _check_tensor, _shape, check_point_dtype
 
 
 class AttentionSizes(NamedTuple):
@@ -107,6 +107,11 @@ def check_levels_fit(shapes: List[List[int]], starts: List[int], pixels: int) ->
                 f"sum of H_l * W_l), got {given}"
             )
         start += height * width
+        if start > INT64_MAX:
+            raise ValueError(
+                f"spatial_shapes: the levels' pixel count sum(H_l * W_l) overflows int64 at level {level} "
+                f"({start} > 2**63 - 1)"
+            )
     if start != pixels:
         raise ValueError(
             f"value.shape[1] must be the levels' pixel count sum(H_l * W_l) = {start} from spatial_shapes, "

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..shared.function import autocast_cast, autocast_coordinates, autocast_inputs, in_onnx_export
+from ..shared.registration import refuse_sparse
 from .checks import check_ms_deform_attn_args
 from .reference import ms_deform_attn_reference
 
@@ -167,5 +168,6 @@ def use_compiled_kernels(devices: Set[str]) -> None:
         _autocast_library = torch.library.Library("deform_conv", "IMPL")
         for device_type, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
             _autocast_library.impl("ms_deform_attn", _autocast_kernel(device_type), key)
+        refuse_sparse("ms_deform_attn")
     # Meta tensors go to the op too once its schema is loaded: its fake kernel infers their shapes.
     _compiled_devices.update(devices | ({"meta"} if "cpu" in devices else set()))

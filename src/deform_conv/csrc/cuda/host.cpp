@@ -19,5 +19,7 @@ int64_t budget_bytes(int64_t gpu_budget) { return gpu_budget; }
 
 int64_t grid_blocks(int64_t blocks) { return blocks; }
 
+bool level_checks_on_device() { return true; }
+
 }  // namespace cuda
 }  // namespace deform_conv

@@ -41,6 +41,9 @@ void note_index_bits(int bits);
 int64_t budget_bytes(int64_t gpu_budget);
 // The blocks a launch gets (the simulation may cap them, so that grid-stride loops run more than once).
 int64_t grid_blocks(int64_t blocks);
+// Whether the host code checks level metadata on the device (assert_level_values_async): always on a GPU; the
+// simulation may skip it, so that the tests reach the kernels' own guard against levels that do not fit.
+bool level_checks_on_device();
 
 inline int64_t blocks_for(int64_t threads) {
   // Grid-stride loops cover the rest; 2^20 blocks keep every SM busy on any GPU. (The simulation may cap the grid

@@ -277,5 +277,7 @@ int64_t grid_blocks(int64_t blocks) {
   return sim::options().max_blocks > 0 ? std::min(blocks, sim::options().max_blocks) : blocks;
 }
 
+bool level_checks_on_device() { return sim::options().level_checks; }
+
 }  // namespace cuda
 }  // namespace deform_conv

@@ -39,6 +39,7 @@ struct Options {
   uint64_t seed = 0;
   int64_t budget_bytes = 0;                // > 0: replaces the GPU's chunk budget
   int64_t max_blocks = 0;                  // > 0: at most this many blocks a launch (grid-stride loops loop)
+  bool level_checks = true;                // the host code's device-side check of level metadata
 };
 Options& options();
 

@@ -39,9 +39,13 @@ FlashSizes checked_flash(const at::Tensor& value, const at::Tensor& spatial_shap
   const int64_t per_query = family::checked_mul_add(s.levels * 3, n_points, 0, "levels * n_points * 3");
   family::check_shape(sampling_loc_attn, "sampling_loc_attn", {s.batch, s.queries, s.groups, per_query},
                       "[N, Lq, group, levels * n_points * 3]");
-  // On the CPU the levels' values are checked here; a GPU's are not read by the host (a synchronisation a call):
-  // the kernels sample NaN from a level that does not fit in value.
-  if (value.device().is_cpu()) check_level_values(spatial_shapes, level_start_index, s.pixels);
+  // On the CPU the levels' values are checked here; a GPU's are not read by the host (a synchronisation a call)
+  // but checked on the device, and the kernels sample NaN from a level that does not fit in value.
+  if (value.device().is_cpu()) {
+    check_level_values(spatial_shapes, level_start_index, s.pixels);
+  } else {
+    assert_level_values_async(spatial_shapes, level_start_index, s.pixels);
+  }
   return s;
 }
 

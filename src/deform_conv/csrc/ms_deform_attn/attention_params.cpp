@@ -1,5 +1,6 @@
 #include "attention_params.h"
 
+#include <ATen/ops/_assert_async.h>
 #include <c10/util/Exception.h>
 
 namespace deform_conv {
@@ -36,6 +37,22 @@ void check_level_values(const at::Tensor& spatial_shapes, const at::Tensor& leve
   }
   TORCH_CHECK(expected == pixels, "value.shape[1] must be the levels' pixel count sum(H_l * W_l) = ", expected,
               " from spatial_shapes, got ", pixels);
+}
+
+void assert_level_values_async(const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+                               int64_t pixels) {
+  // What check_level_values checks, computed on the device: levels at least 1x1, each starting where the ones
+  // before it end, filling value's pixels. (A product that overflows int64 makes the sums wrong, and then unequal.)
+  const at::Tensor heights = spatial_shapes.select(1, 0), widths = spatial_shapes.select(1, 1);
+  const at::Tensor sizes = heights.mul(widths);
+  const at::Tensor ends = sizes.cumsum(0);
+  const at::Tensor consistent = heights.ge(1).logical_and(widths.ge(1)).all()
+                                    .logical_and(level_start_index.eq(ends.sub(sizes)).all())
+                                    .logical_and(ends.select(0, ends.size(0) - 1).eq(pixels));
+  at::_assert_async(consistent,
+                    "spatial_shapes and level_start_index must describe levels of at least 1x1 pixels, one after "
+                    "another (level_start_index[l] = sum of H_k * W_k for k < l), filling value.shape[1] pixels "
+                    "(checked on the device)");
 }
 
 AttentionParams make_attention_params(const at::Tensor& value, const at::Tensor& spatial_shapes,

@@ -23,6 +23,12 @@ AttentionParams make_attention_params(const at::Tensor& value, const at::Tensor&
 // another, filling value's `pixels`. Used by every op with levels (FlashDeformAttn's too).
 void check_level_values(const at::Tensor& spatial_shapes, const at::Tensor& level_start_index, int64_t pixels);
 
+// The same on the device, without a host synchronisation (torch._assert_async): the GPU backends' check, for
+// the ops with levels (multi-scale deformable attention, FlashDeformAttn). An inconsistent call fails at the next
+// synchronisation (CUDA's device-side assert), instead of sampling the wrong pixels silently.
+void assert_level_values_async(const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+                               int64_t pixels);
+
 void check_attention_grad_output(const AttentionParams& p, const at::Tensor& grad_output, const at::Tensor& value);
 
 }  // namespace deform_conv

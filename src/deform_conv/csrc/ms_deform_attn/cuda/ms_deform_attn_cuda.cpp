@@ -107,6 +107,7 @@ at::Tensor ms_deform_attn_forward(const at::Tensor& value, const at::Tensor& spa
   const AttentionParams p =
       make_attention_params(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                             /*check_level_values=*/false);
+  if (level_checks_on_device()) assert_level_values_async(spatial_shapes, level_start_index, p.pixels);
   const DeviceGuard guard(value.device());
   if (has_float32_points(value, sampling_locations, attention_weights)) {
     return ms_deform_attn_on_float32_points(sampled_sum_kernels(), p, value, spatial_shapes, level_start_index,
@@ -137,6 +138,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ms_deform_attn_backward(const at:
   const AttentionParams p =
       make_attention_params(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                             /*check_level_values=*/false);
+  if (level_checks_on_device()) assert_level_values_async(spatial_shapes, level_start_index, p.pixels);
   check_attention_grad_output(p, grad_output, value);
   const DeviceGuard guard(value.device());
   if (has_float32_points(value, sampling_locations, attention_weights)) {
