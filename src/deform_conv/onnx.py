@@ -19,6 +19,14 @@ after the same plain import, as Deformable DETR's pure-PyTorch composition of st
 level and the weighted sum; opset >= 16). Which level shapes the graph can take depends on the exporter: see
 :func:`ms_deform_attn_symbolic`.
 
+``dcnv3``, ``dcnv4`` and ``flash_deform_attn`` have no ONNX operator either and export the same way (opset >= 16,
+either exporter, the same plain import): DCNv3 and DCNv4 as one GridSample over the ``N * group`` images, the grid
+from the op's sampling formula (computed in float32, also beside a half input), times the mask and summed over the
+points (DCNv4's offset_mask sliced per group first, its Softmax where asked); batch, height and width may be
+dynamic axes with both exporters. FlashDeformAttn as a Softmax of its logits, then ``ms_deform_attn``'s export
+(and its rules for the levels). See :func:`dcnv3_symbolic`, :func:`dcnv4_symbolic` and
+:func:`flash_deform_attn_symbolic`.
+
 Each op's export lives beside the op (``deform_conv/_ops/<op>/onnx.py``); this module gathers what callers use.
 Importing it imports ``torch.onnx``, which ``import deform_conv`` never does.
 """
@@ -28,7 +36,10 @@ from __future__ import annotations
 import deform_conv  # noqa: F401  (defines the op)
 
 from ._ops.deform_conv2d.onnx import OPSET, deform_conv_symbolic, register_torchscript_symbolic, translation_table
+from ._ops.dcnv3.onnx import dcnv3_symbolic
+from ._ops.dcnv4.onnx import dcnv4_symbolic
+from ._ops.flash_deform_attn.onnx import flash_deform_attn_symbolic
 from ._ops.ms_deform_attn.onnx import ms_deform_attn_symbolic
 
-__all__ = ["OPSET", "deform_conv_symbolic", "ms_deform_attn_symbolic", "register_torchscript_symbolic",
-           "translation_table"]
+__all__ = ["OPSET", "dcnv3_symbolic", "dcnv4_symbolic", "deform_conv_symbolic", "flash_deform_attn_symbolic",
+           "ms_deform_attn_symbolic", "register_torchscript_symbolic", "translation_table"]

@@ -155,3 +155,40 @@ def test_fx_symbolic_trace_sees_one_call(op):
     assert targets.count(public) == 1, targets
     args = step_args(op)
     assert_same(output_and_grads(traced, args), output_and_grads(STEPS[op], args))
+
+
+# The steps above as modules for torch.jit.script, which reads no module-level constant: the same values written out
+# (test_the_scripted_steps_use_the_constants checks that they are).
+class _Dcnv3Step(nn.Module):
+    def forward(self, input, offset, mask_logits):
+        n, ho, wo = mask_logits.shape[0], mask_logits.shape[1], mask_logits.shape[2]
+        mask = mask_logits.view(n, ho, wo, 3, 6).softmax(-1).view(n, ho, wo, 18)
+        return deform_conv.dcnv3(input, offset * 0.5, mask, (3, 2), (2, 1), (1, 0), (2, 1), 3, 2.0, False)
+
+
+class _Dcnv4Step(nn.Module):
+    def forward(self, input, offset_mask):
+        return deform_conv.dcnv4(torch.tanh(input), offset_mask, (3, 2), (2, 1), (1, 0), (2, 1), 3, 0.5, False, True)
+
+
+class _FlashStep(nn.Module):
+    def forward(self, value, spatial_shapes, level_start_index, sampling_loc_attn):
+        return deform_conv.flash_deform_attn(value * 2, spatial_shapes, level_start_index, sampling_loc_attn, 2)
+
+
+def test_the_scripted_steps_use_the_constants():
+    assert (GROUP, K, KERNEL, STRIDE, PADDING, DILATION, POINTS) == (3, 6, (3, 2), (2, 1), (1, 0), (2, 1), 2)
+
+
+@pytest.mark.parametrize("op", sorted(STEPS))
+def test_torchscript_script_forward_backward_and_save(op, tmp_path):
+    """torch.jit.script compiles each op's function (its pairs converted in TorchScript), calls the op, and the
+    saved and loaded module computes the same, forward and backward."""
+    module = {"dcnv3": _Dcnv3Step, "dcnv4": _Dcnv4Step, "flash_deform_attn": _FlashStep}[op]()
+    scripted = torch.jit.script(module)
+    torch.jit.save(scripted, str(tmp_path / "step.pt"))
+    loaded = torch.jit.load(str(tmp_path / "step.pt"))
+    args = step_args(op)
+    expected = output_and_grads(STEPS[op], args)
+    assert_same(output_and_grads(scripted, args), expected)
+    assert_same(output_and_grads(loaded, args), expected)

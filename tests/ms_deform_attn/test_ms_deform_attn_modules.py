@@ -414,10 +414,17 @@ def test_msda_errors(clean_msda):
         MSDA.ms_deform_attn_forward(value, shapes, starts, locations, weights, 0)
     with pytest.raises(ValueError, match=r"sampling_locations must have shape"):
         MSDA.ms_deform_attn_forward(value, shapes, starts, locations[:, :, :1], weights, 64)
-    bad_grad = torch.zeros(2, 7, 9, dtype=torch.float64)
-    message = r"grad_output must have shape \(2, 7, 10\) \[N, Lq, M \* D\] .*got \(2, 7, 9\)"
-    with pytest.raises(ValueError, match=message):
+    bad_grad = torch.zeros(2, 7, 9, dtype=value.dtype)
+    with pytest.raises(ValueError, match=r"^grad_output must have shape \(2, 7, 10\), got \(2, 7, 9\)$"):
         MSDA.ms_deform_attn_backward(value, shapes, starts, locations, weights, bad_grad, 64)
+    # A grad_output of another dtype: the forward's kind of error (TypeError naming it), not the C++ RuntimeError.
+    other = torch.float32 if value.dtype == torch.float64 else torch.float64
+    with pytest.raises(TypeError, match=rf"^grad_output must have value's dtype {value.dtype}, got {other}$"):
+        MSDA.ms_deform_attn_backward(value, shapes, starts, locations, weights,
+                                     torch.zeros(2, 7, 10, dtype=other), 64)
+    # All on the meta device: the shapes, as the op's fake kernel infers them (not a copy out of a meta tensor).
+    meta = [t.to("meta") for t in (value, shapes, starts, locations, weights)]
+    assert MSDA.ms_deform_attn_forward(*meta, 64).shape == (2, 7, 10)
 
 
 def test_msda_does_not_replace_another_module_unless_asked(clean_msda):

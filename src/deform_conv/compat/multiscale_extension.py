@@ -13,6 +13,7 @@ from torch import Tensor
 from .._ops.ms_deform_attn.checks import check_ms_deform_attn_args
 from .._ops.ms_deform_attn.function import _compiled_devices
 from .._ops.ms_deform_attn.reference import ms_deform_attn_reference
+from .._ops.shared.checks import check_grad_output
 from .installing import install_module, new_module
 
 MSDA_MODULE_NAME = "MultiScaleDeformableAttention"
@@ -48,10 +49,9 @@ def _msda_backward(value: Tensor, spatial_shapes: Tensor, level_start_index: Ten
     [grad_value, grad_sampling_loc, grad_attn_weight], a list as the extension's std::vector."""
     _check_im2col_step(im2col_step)
     sizes = check_ms_deform_attn_args(value, spatial_shapes, level_start_index, sampling_loc, attn_weight)
-    expected = (sizes.batch, sizes.queries, sizes.heads * sizes.channels)
-    if tuple(grad_output.shape) != expected:
-        raise ValueError(f"grad_output must have shape {expected} [N, Lq, M * D] (from value and sampling_loc), "
-                         f"got {tuple(grad_output.shape)}")
+    # grad_output's dtype, device and shape, named as the forward names its arguments (the C++ check would raise a
+    # RuntimeError).
+    check_grad_output(grad_output, value, "value", (sizes.batch, sizes.queries, sizes.heads * sizes.channels))
     if value.device.type not in _compiled_devices:
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_() for t in (value, sampling_loc, attn_weight)]

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..shared.checks import IntPair, check_grad_output
-from ..shared.function import autocast_cast, autocast_coordinates, autocast_inputs
+from ..shared.function import autocast_cast, autocast_coordinates, autocast_inputs, in_onnx_export, script_pair
 from ..shared.registration import register_op
 from .checks import check_dcnv3_args
 from .reference import checked_dcnv3_reference
@@ -58,17 +58,18 @@ def dcnv3(
             input, offset, mask = _autocast_args(input, offset, mask)
             sizes = check_dcnv3_args(input, offset, mask, kernel_size, stride, padding, dilation, group,
                                      offset_scale, remove_center)
+            if in_onnx_export():
+                return _onnx_export().dcnv3_symbolic(input, offset, mask, kernel_size, stride, padding, dilation,
+                                                     group, offset_scale, remove_center)
             if input.device.type not in _compiled_devices:
                 return checked_dcnv3_reference(input, offset, mask, sizes, float(offset_scale), remove_center)
             kernel_size, stride, padding, dilation = sizes.kernel_size, sizes.stride, sizes.padding, sizes.dilation
-    return torch.ops.deform_conv.dcnv3(input, offset, mask, _pair(kernel_size), _pair(stride), _pair(padding),
-                                       _pair(dilation), group, float(offset_scale), remove_center)
-
-
-def _pair(value: IntPair):
-    if isinstance(value, int):
-        return [value, value]
-    return [value[0], value[1]]
+        elif in_onnx_export():  # the TorchScript-based exporter traces the composition it exports
+            return _onnx_export().dcnv3_symbolic(input, offset, mask, kernel_size, stride, padding, dilation, group,
+                                                 offset_scale, remove_center)
+    return torch.ops.deform_conv.dcnv3(input, offset, mask, script_pair(kernel_size), script_pair(stride),
+                                       script_pair(padding), script_pair(dilation), group, float(offset_scale),
+                                       remove_center)
 
 
 @torch.jit.unused
@@ -78,6 +79,14 @@ def _autocast_args(input, offset, mask):
     if cast is input:
         return input, offset, mask
     return cast, autocast_coordinates(offset, cast.dtype), autocast_coordinates(mask, cast.dtype)
+
+
+@torch.jit.unused
+def _onnx_export():
+    """This op's ONNX export (onnx.py), imported by the first call an export makes."""
+    from . import onnx
+
+    return onnx
 
 
 def _forward_fake(input, offset, mask, kernel_size, stride, padding, dilation, group, offset_scale, remove_center):

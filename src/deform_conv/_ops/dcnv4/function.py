@@ -8,9 +8,8 @@ from typing import Set
 import torch
 from torch import Tensor
 
-from ..dcnv3.function import _pair
 from ..shared.checks import IntPair, check_grad_output
-from ..shared.function import autocast_cast, autocast_coordinates, autocast_inputs
+from ..shared.function import autocast_cast, autocast_coordinates, autocast_inputs, in_onnx_export, script_pair
 from ..shared.registration import register_op
 from .checks import check_dcnv4_args
 from .reference import checked_dcnv4_reference
@@ -55,12 +54,19 @@ def dcnv4(
             input, offset_mask = _autocast_args(input, offset_mask)
             sizes = check_dcnv4_args(input, offset_mask, kernel_size, stride, padding, dilation, group,
                                      offset_scale, remove_center, softmax)
+            if in_onnx_export():
+                return _onnx_export().dcnv4_symbolic(input, offset_mask, kernel_size, stride, padding, dilation,
+                                                     group, offset_scale, remove_center, softmax)
             if input.device.type not in _compiled_devices:
                 return checked_dcnv4_reference(input, offset_mask, sizes, float(offset_scale), remove_center,
                                                softmax)
             kernel_size, stride, padding, dilation = sizes.kernel_size, sizes.stride, sizes.padding, sizes.dilation
-    return torch.ops.deform_conv.dcnv4(input, offset_mask, _pair(kernel_size), _pair(stride), _pair(padding),
-                                       _pair(dilation), group, float(offset_scale), remove_center, softmax)
+        elif in_onnx_export():  # the TorchScript-based exporter traces the composition it exports
+            return _onnx_export().dcnv4_symbolic(input, offset_mask, kernel_size, stride, padding, dilation, group,
+                                                 offset_scale, remove_center, softmax)
+    return torch.ops.deform_conv.dcnv4(input, offset_mask, script_pair(kernel_size), script_pair(stride),
+                                       script_pair(padding), script_pair(dilation), group, float(offset_scale),
+                                       remove_center, softmax)
 
 
 @torch.jit.unused
@@ -69,6 +75,14 @@ def _autocast_args(input, offset_mask):
     if cast is input:
         return input, offset_mask
     return cast, autocast_coordinates(offset_mask, cast.dtype)
+
+
+@torch.jit.unused
+def _onnx_export():
+    """This op's ONNX export (onnx.py), imported by the first call an export makes."""
+    from . import onnx
+
+    return onnx
 
 
 def _forward_fake(input, offset_mask, kernel_size, stride, padding, dilation, group, offset_scale, remove_center,

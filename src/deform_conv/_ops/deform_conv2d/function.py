@@ -8,13 +8,13 @@ pure-PyTorch reference.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Set
+from typing import Optional, Sequence, Set
 
 import torch
 from torch import Tensor
 
 from ..shared.checks import IntPair
-from ..shared.function import autocast_cast, autocast_inputs, in_onnx_export
+from ..shared.function import autocast_cast, autocast_inputs, in_onnx_export, script_pair
 from ..shared.registration import refuse_sparse
 from .checks import check_args, check_border_gradient
 from .reference import deform_conv2d_reference
@@ -81,7 +81,7 @@ def deform_conv2d(
         if in_onnx_export():  # the TorchScript-based exporter: it maps the traced op with our symbolic
             _onnx_export().register_torchscript_symbolic()
     return torch.ops.deform_conv.deform_conv2d(
-        input, offset, weight, mask, bias, _script_pair(stride), _script_pair(padding), _script_pair(dilation),
+        input, offset, weight, mask, bias, script_pair(stride), script_pair(padding), script_pair(dilation),
         border_gradient)
 
 
@@ -91,15 +91,6 @@ def _onnx_export():
     from . import onnx
 
     return onnx
-
-
-def _script_pair(value: IntPair) -> List[int]:
-    """``value`` as [height, width] inside TorchScript, where check_args (plain Python) is not compiled."""
-    if isinstance(value, int):
-        return [value, value]
-    if isinstance(value, list):
-        return value
-    return [value[0], value[1]]
 
 
 def _deform_conv2d_fake(

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..shared.checks import check_grad_output
-from ..shared.function import autocast_cast, autocast_coordinates, autocast_inputs
+from ..shared.function import autocast_cast, autocast_coordinates, autocast_inputs, in_onnx_export
 from ..shared.registration import register_op
 from .checks import check_flash_deform_attn_args
 from .reference import checked_flash_deform_attn_reference
@@ -41,9 +41,15 @@ def flash_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: 
             value, sampling_loc_attn = _autocast_args(value, sampling_loc_attn)
             sizes = check_flash_deform_attn_args(value, spatial_shapes, level_start_index, sampling_loc_attn,
                                                  n_points, check_levels=not torch.compiler.is_compiling())
+            if in_onnx_export():
+                return _onnx_export().flash_deform_attn_symbolic(value, spatial_shapes, level_start_index,
+                                                                 sampling_loc_attn, n_points)
             if value.device.type not in _compiled_devices:
                 return checked_flash_deform_attn_reference(value, spatial_shapes, level_start_index,
                                                            sampling_loc_attn, sizes)
+        elif in_onnx_export():  # the TorchScript-based exporter traces the composition it exports
+            return _onnx_export().flash_deform_attn_symbolic(value, spatial_shapes, level_start_index,
+                                                             sampling_loc_attn, n_points)
     return torch.ops.deform_conv.flash_deform_attn(value, spatial_shapes, level_start_index, sampling_loc_attn,
                                                    n_points)
 
@@ -54,6 +60,14 @@ def _autocast_args(value, sampling_loc_attn):
     if cast is value:
         return value, sampling_loc_attn
     return cast, autocast_coordinates(sampling_loc_attn, cast.dtype)
+
+
+@torch.jit.unused
+def _onnx_export():
+    """This op's ONNX export (onnx.py), imported by the first call an export makes."""
+    from . import onnx
+
+    return onnx
 
 
 def _forward_fake(value, spatial_shapes, level_start_index, sampling_loc_attn, n_points):

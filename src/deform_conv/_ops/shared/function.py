@@ -4,9 +4,12 @@ running."""
 from __future__ import annotations
 
 import sys
+from typing import List
 
 import torch
 from torch import Tensor
+
+from .checks import IntPair
 
 
 def autocast_cast(t, dtype: torch.dtype):
@@ -47,3 +50,13 @@ def autocast_coordinates(t, value_dtype: torch.dtype):
         if value_dtype in (torch.float16, torch.bfloat16):
             return t.float()
     return t
+
+
+def script_pair(value: IntPair) -> List[int]:
+    """``value`` (an int or an (h, w) pair: shared/checks.py's IntPair) as [height, width], also inside TorchScript,
+    where the Python checks are not compiled."""
+    if isinstance(value, int):
+        return [value, value]
+    if isinstance(value, list):
+        return value
+    return [value[0], value[1]]
