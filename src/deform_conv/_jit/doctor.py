@@ -41,7 +41,7 @@ def half_precision_paths() -> str:
 
 def build_summary(key: dict, with_total: bool = True, slowest: int = 3) -> str:
     """How long the entry's build took and its slowest units, from its key (what the build measured with ninja's
-    log), e.g. "built in 17.3 s; slowest units: deform_conv2d_cpu_sampling 9.8 s, ms_deform_attn_cpu 6.1 s, ..."."""
+    log), e.g. "built in 17.3 s; slowest units: deform_conv2d_cpu_sampling 9.8 s, attention_cpu 6.1 s, ..."."""
     units = sorted(((name, seconds) for name, seconds in key.get("unit_seconds", {}).items()
                     if not name.endswith(".so")), key=lambda unit: -unit[1])
     parts = [f"built in {key['build_seconds']:.1f} s"] if with_total else []

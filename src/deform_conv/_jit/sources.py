@@ -24,10 +24,12 @@ CSRC_DIR = "csrc"  # relative to the package directory
 # schema in csrc/schemas.h, registered in ops.cpp and cuda/impl_ops.h).
 OPS = ("deform_conv2d", "ms_deform_attn", "dcnv3", "dcnv4", "flash_deform_attn")
 
-# Kernels shared by a family of ops, each a folder csrc/<kernels>/ laid out as an op's, with the ops built on them.
-# Those ops have no kernels of their own: their host code (csrc/<op>/*.cpp, written once for every backend) is
-# compiled in their kernels' units, so that a family costs each library one unit's headers, not one per op.
-SHARED_KERNELS = {"sampled_sum": ("dcnv3", "dcnv4", "flash_deform_attn")}
+# Folders compiled together, as one unit per library and kind (named after the group), because they take the same
+# headers: a unit's headers cost seconds, its own code little. csrc/sampled_sum/ holds the kernels DCNv3, DCNv4 and
+# FlashDeformAttn share, laid out as an op's folder; those ops have no kernels of their own (their host code,
+# csrc/<op>/*.cpp, is written once for every backend), and multi-scale deformable attention's kernels read the
+# same channels-last layout (its float32-points path calls the family's). Their file-local names must differ.
+UNIT_GROUPS = {"attention": ("sampled_sum", "ms_deform_attn", "dcnv3", "dcnv4", "flash_deform_attn")}
 
 # Sources of an op's CPU kernels compiled as a unit of their own (<op>_cpu_sampling), apart from the op's other
 # CPU sources: code generation, not headers, is what these cost (their loops are compiled for three instruction
@@ -71,11 +73,10 @@ def _listed(csrc, folder, suffix):
 
 
 def _unit_folders():
-    """{unit prefix: the folders of csrc/ compiled in its units}: an op on its own, or shared kernels with the ops
-    built on them."""
-    joined = {op for ops in SHARED_KERNELS.values() for op in ops}
-    folders = {op: (op,) for op in OPS if op not in joined}
-    folders.update({kernels: (kernels, *ops) for kernels, ops in SHARED_KERNELS.items()})
+    """{unit prefix: the folders of csrc/ compiled in its units}: an op on its own, or a group (UNIT_GROUPS)."""
+    grouped = {folder for folders in UNIT_GROUPS.values() for folder in folders}
+    folders = {op: (op,) for op in OPS if op not in grouped}
+    folders.update(UNIT_GROUPS)
     return folders
 
 

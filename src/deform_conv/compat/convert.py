@@ -157,13 +157,14 @@ _CONVERSIONS: Dict[Tuple[str, str], Callable[[nn.Module], nn.Module]] = {
 }
 
 # InternImage's and the DCNv4 repository's modules live in packages copied into each project (InternImage's
-# classification/, detection/ and segmentation/ each hold an ops_dcnv3), imported under a name that ends the same
-# way: (the defining module's last components, class name) -> how to build ours.
+# classification/, detection/ and segmentation/ each hold an ops_dcnv3; FlashInternImage's hold a DCNv4), imported
+# under whatever name the project gives the package, but always from the same files: (the defining module's last
+# two components -- the package's modules/<file> -- and the class name) -> how to build ours.
 _SUFFIX_CONVERSIONS: Dict[Tuple[str, str], Callable[[nn.Module], nn.Module]] = {
-    ("ops_dcnv3.modules.dcnv3", "DCNv3"): _from_internimage_dcnv3,
-    ("ops_dcnv3.modules.dcnv3", "DCNv3_pytorch"): _from_internimage_dcnv3,
-    ("DCNv4.modules.dcnv4", "DCNv4"): _from_dcnv4,
-    ("DCNv4.modules.flash_deform_attn", "FlashDeformAttn"): _from_flash_deform_attn,
+    ("modules.dcnv3", "DCNv3"): _from_internimage_dcnv3,
+    ("modules.dcnv3", "DCNv3_pytorch"): _from_internimage_dcnv3,
+    ("modules.dcnv4", "DCNv4"): _from_dcnv4,
+    ("modules.flash_deform_attn", "FlashDeformAttn"): _from_flash_deform_attn,
 }
 
 _OURS = (DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack, DCNv3, DCNv4, FlashDeformAttn)
@@ -178,10 +179,9 @@ def _conversion(cls: type) -> Optional[Callable[[nn.Module], nn.Module]]:
     module, name = _class_key(cls)
     if (module, name) in _CONVERSIONS:
         return _CONVERSIONS[(module, name)]
-    for (suffix, known), build in _SUFFIX_CONVERSIONS.items():
-        if name == known and (module == suffix or module.endswith("." + suffix)):
-            return build
-    return None
+    if cls in _OURS:
+        return None
+    return _SUFFIX_CONVERSIONS.get((".".join(module.split(".")[-2:]), name))
 
 
 def _looks_deformable(cls: type) -> bool:

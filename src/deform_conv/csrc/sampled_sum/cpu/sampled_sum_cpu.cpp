@@ -1,4 +1,5 @@
-// The family's shared kernels on the CPU (sampled_sum.h): every dtype computed natively, the half types read as
+// The family's shared kernels on the CPU (sampled_sum.h). Compiled in one unit with multi-scale deformable
+// attention's CPU kernels (_jit/sources.py's UNIT_GROUPS), so their file-local names differ from those.: every dtype computed natively, the half types read as
 // they are and accumulated in float32 (at::opmath_type), the points already in float32 (float64).
 //
 // As multi-scale deformable attention's CPU kernels (csrc/ms_deform_attn/cpu/): each point's neighbours and
@@ -39,7 +40,7 @@ struct SampledLevels {
   std::vector<int64_t> of_point;  // [points]
 };
 
-SampledLevels read_levels(const SampledSumSizes& s, const at::Tensor& point_levels, const at::Tensor& spatial_shapes,
+SampledLevels read_sum_levels(const SampledSumSizes& s, const at::Tensor& point_levels, const at::Tensor& spatial_shapes,
                           const at::Tensor& level_start_index) {
   const at::Tensor shapes = spatial_shapes.contiguous(), starts = level_start_index.contiguous();
   const at::Tensor of_point = point_levels.contiguous();
@@ -68,7 +69,7 @@ BilinearSample<acc_t> sample_of(const acc_t* point, const SampledLevel& level) {
 }
 
 // About this many sampling points (times D channels) a task: enough to outweigh a task's cost.
-constexpr int64_t kPointsPerTask = 2048;
+constexpr int64_t kSumPointsPerTask = 2048;
 
 // Output rows (image, query) [begin, end). `sum` holds D values.
 template <typename scalar_t>
@@ -120,7 +121,7 @@ DC_CPU_KERNEL(sum_rows)
 // Tasks (image, group, level) [begin, end): the task's slice of value's gradient is summed in `grad_slice` (the
 // accumulation type) and written once, rounded. `grad` holds D values, `grad_slice` the largest level's pixels * D.
 template <typename scalar_t>
-void backward_tasks_body(const SampledSumSizes& s, const SampledLevel* levels, const int64_t* level_of_point,
+void sum_backward_tasks_body(const SampledSumSizes& s, const SampledLevel* levels, const int64_t* level_of_point,
                          const scalar_t* value, const at::opmath_type<scalar_t>* points, const scalar_t* grad_output,
                          scalar_t* grad_value, at::opmath_type<scalar_t>* grad_points, BorderGradient border,
                          int64_t begin, int64_t end, at::opmath_type<scalar_t>* __restrict__ grad,
@@ -176,7 +177,7 @@ void backward_tasks_body(const SampledSumSizes& s, const SampledLevel* levels, c
     }
   }
 }
-DC_CPU_KERNEL(backward_tasks)
+DC_CPU_KERNEL(sum_backward_tasks)
 
 #define SAMPLED_SUM_DISPATCH(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, TYPE, NAME, __VA_ARGS__)
@@ -185,10 +186,10 @@ at::Tensor forward(const at::Tensor& value, const at::Tensor& points, const at::
                    const at::Tensor& spatial_shapes, const at::Tensor& level_start_index) {
   follow_torch_thread_count();
   const SampledSumSizes s = make_sampled_sum_sizes(value, points, point_levels, spatial_shapes, level_start_index);
-  const SampledLevels t = read_levels(s, point_levels, spatial_shapes, level_start_index);
+  const SampledLevels t = read_sum_levels(s, point_levels, spatial_shapes, level_start_index);
   const at::Tensor v = value.contiguous(), pts = points.contiguous();
   at::Tensor output = at::empty({s.batch, s.queries, s.groups, s.channels}, value.options());
-  const int64_t grain = std::max<int64_t>(1, kPointsPerTask / std::max<int64_t>(1, s.groups * s.points));
+  const int64_t grain = std::max<int64_t>(1, kSumPointsPerTask / std::max<int64_t>(1, s.groups * s.points));
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* value_data = v.const_data_ptr<scalar_t>();
@@ -208,11 +209,11 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_output, const
                                             BorderGradient border) {
   follow_torch_thread_count();
   const SampledSumSizes s = make_sampled_sum_sizes(value, points, point_levels, spatial_shapes, level_start_index);
-  const SampledLevels t = read_levels(s, point_levels, spatial_shapes, level_start_index);
+  const SampledLevels t = read_sum_levels(s, point_levels, spatial_shapes, level_start_index);
   const at::Tensor v = value.contiguous(), pts = points.contiguous(), g = grad_output.contiguous();
   // Pixels outside every level (none, where the ops' checks hold) keep a zero gradient.
   at::Tensor grad_value = at::zeros(value.sizes(), value.options());
-  // Every element is written once (backward_tasks): each point belongs to one level.
+  // Every element is written once (sum_backward_tasks): each point belongs to one level.
   at::Tensor grad_points = at::empty(pts.sizes(), pts.options());
   int64_t largest = 0;
   for (const SampledLevel& level : t.levels) {
@@ -227,7 +228,7 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_output, const
     acc_t* grad_point_data = grad_points.mutable_data_ptr<acc_t>();
     at::parallel_for(0, s.batch * s.groups * s.levels, 1, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> grad(s.channels), grad_slice(largest * s.channels);
-      backward_tasks<scalar_t>(s, t.levels.data(), t.of_point.data(), value_data, point_data, grad_data,
+      sum_backward_tasks<scalar_t>(s, t.levels.data(), t.of_point.data(), value_data, point_data, grad_data,
                                grad_value_data, grad_point_data, border, begin, end, grad.data(), grad_slice.data());
     });
   });
