@@ -99,6 +99,13 @@ at::Tensor dcnv3_forward(const SampledSumKernels& kernels, const at::Tensor& inp
       checked_dcnv3(input, offset, mask, kernel_size, stride, padding, dilation, group, offset_scale, remove_center);
   const int64_t batch = input.size(0), points = g.points();
   const GridCall call = grid_call(g, input, group);
+  const at::ScalarType dtype = point_dtype(input.scalar_type());
+  if (kernels.grid_forward != nullptr && offset.scalar_type() == dtype && mask.scalar_type() == dtype) {
+    // The points read in place from the offsets and the mask (the same points as grid_points', bitwise).
+    const GridLayout layout{group * points * 2, points * 2, group * points, 0, points};
+    const at::Tensor output = kernels.grid_forward(call.value, g, layout, offset.contiguous(), mask.contiguous());
+    return output.view({batch, g.out_height(), g.out_width(), input.size(3)});
+  }
   const at::Tensor pts = grid_points(
       g, offset.reshape({batch, g.out_height(), g.out_width(), group, points, 2}),
       mask.reshape({batch, g.out_height(), g.out_width(), group, points}), point_dtype(input.scalar_type()));

@@ -18,28 +18,6 @@ at::Tensor table(const std::vector<double>& values, const at::Tensor& like, at::
   return t.to(like.options().dtype(dtype));
 }
 
-// (i * dilation_w, j * dilation_h) of every point, in the grid's order.
-std::pair<std::vector<double>, std::vector<double>> taps(const ConvGrid& g) {
-  std::vector<double> x, y;
-  for (int64_t i = 0; i < g.kernel_w; ++i) {
-    for (int64_t j = 0; j < g.kernel_h; ++j) {
-      if (g.remove_center && i == g.kernel_w / 2 && j == g.kernel_h / 2) continue;
-      x.push_back(static_cast<double>(i * g.dilation_w));
-      y.push_back(static_cast<double>(j * g.dilation_h));
-    }
-  }
-  return {x, y};
-}
-
-// p0 - half * offset_scale of each output row or column (ConvGrid).
-std::vector<double> bases(int64_t outputs, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation,
-                          double offset_scale) {
-  const int64_t half = (dilation * (kernel - 1)) / 2;
-  std::vector<double> base(outputs);
-  for (int64_t o = 0; o < outputs; ++o) base[o] = static_cast<double>(half - pad + o * stride) - half * offset_scale;
-  return base;
-}
-
 // [L * K] of a per-level quantity (column `column` of spatial_shapes), in `dtype`.
 at::Tensor per_point(const at::Tensor& spatial_shapes, int64_t column, int64_t points_per_level,
                      at::ScalarType dtype) {
@@ -50,18 +28,36 @@ at::Tensor per_point(const at::Tensor& spatial_shapes, int64_t column, int64_t p
 
 }  // namespace
 
+GridTables grid_tables(const ConvGrid& g) {
+  GridTables t;
+  for (int64_t i = 0; i < g.kernel_w; ++i) {
+    for (int64_t j = 0; j < g.kernel_h; ++j) {
+      if (g.remove_center && i == g.kernel_w / 2 && j == g.kernel_h / 2) continue;
+      t.tap_x.push_back(static_cast<double>(i * g.dilation_w));
+      t.tap_y.push_back(static_cast<double>(j * g.dilation_h));
+    }
+  }
+  // p0 - half * offset_scale of each output column (row), half = (dilation * (kernel - 1)) / 2.
+  const int64_t half_w = (g.dilation_w * (g.kernel_w - 1)) / 2, half_h = (g.dilation_h * (g.kernel_h - 1)) / 2;
+  for (int64_t o = 0; o < g.out_width(); ++o) {
+    t.base_x.push_back(static_cast<double>(half_w - g.pad_w + o * g.stride_w) - half_w * g.offset_scale);
+  }
+  for (int64_t o = 0; o < g.out_height(); ++o) {
+    t.base_y.push_back(static_cast<double>(half_h - g.pad_h + o * g.stride_h) - half_h * g.offset_scale);
+  }
+  return t;
+}
+
 at::Tensor grid_points(const ConvGrid& g, const at::Tensor& offsets, const at::Tensor& weights,
                        at::ScalarType dtype) {
   const int64_t points = g.points(), out_h = g.out_height(), out_w = g.out_width();
-  const auto [tap_x, tap_y] = taps(g);
+  const GridTables t = grid_tables(g);
   const double s = g.offset_scale;
-  const at::Tensor base_x = table(bases(out_w, g.kernel_w, g.stride_w, g.pad_w, g.dilation_w, s), offsets, dtype);
-  const at::Tensor base_y = table(bases(out_h, g.kernel_h, g.stride_h, g.pad_h, g.dilation_h, s), offsets, dtype);
   // As InternImage's kernel: base + (tap + offset) * offset_scale.
-  const at::Tensor x = base_x.view({1, 1, out_w, 1, 1})
-                           .add(table(tap_x, offsets, dtype).view({1, 1, 1, 1, points}).add(offsets.select(-1, 0)).mul(s));
-  const at::Tensor y = base_y.view({1, out_h, 1, 1, 1})
-                           .add(table(tap_y, offsets, dtype).view({1, 1, 1, 1, points}).add(offsets.select(-1, 1)).mul(s));
+  const at::Tensor x = table(t.base_x, offsets, dtype).view({1, 1, out_w, 1, 1})
+                           .add(table(t.tap_x, offsets, dtype).view({1, 1, 1, 1, points}).add(offsets.select(-1, 0)).mul(s));
+  const at::Tensor y = table(t.base_y, offsets, dtype).view({1, out_h, 1, 1, 1})
+                           .add(table(t.tap_y, offsets, dtype).view({1, 1, 1, 1, points}).add(offsets.select(-1, 1)).mul(s));
   const at::Tensor points_ = at::stack({x, y, weights.to(dtype)}, -1);
   return points_.view({offsets.size(0), out_h * out_w, offsets.size(3), points, 3});
 }

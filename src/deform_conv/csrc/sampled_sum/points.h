@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 namespace deform_conv {
 
@@ -27,6 +28,21 @@ struct ConvGrid {
   int64_t points() const { return kernel_h * kernel_w - (remove_center ? 1 : 0); }
   int64_t out_height() const { return (height + 2 * pad_h - (dilation_h * (kernel_h - 1) + 1)) / stride_h + 1; }
   int64_t out_width() const { return (width + 2 * pad_w - (dilation_w * (kernel_w - 1) + 1)) / stride_w + 1; }
+};
+
+// The grid's tables, in float64: base_x[ox] = p0_x - half_w * offset_scale for each output column (base_y likewise
+// for rows), and (tap_x, tap_y)[k] = (i * dilation_w, j * dilation_h) of each point in the grid's order. A point's
+// x is base_x[ox] + (tap_x[k] + offset_x) * offset_scale, computed in the points' dtype.
+struct GridTables {
+  std::vector<double> base_x, base_y, tap_x, tap_y;
+};
+GridTables grid_tables(const ConvGrid& grid);
+
+// Where each point's offsets and weight lie in one output pixel's row of the offset and weight tensors (both
+// contiguous [N, Ho, Wo, row]): x of point k of group g at g * offset_group + 2 * k (y next to it), its weight at
+// weight_start + g * weight_group + k. DCNv3: separate tensors; DCNv4: one, each group's block 3K long.
+struct GridLayout {
+  int64_t offset_row, offset_group, weight_row, weight_start, weight_group;
 };
 
 // offsets [N, Ho, Wo, G, K, 2] (x, y) and weights [N, Ho, Wo, G, K], any dtype and strides -> points

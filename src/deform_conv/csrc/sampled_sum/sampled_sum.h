@@ -22,6 +22,7 @@
 #include <tuple>
 
 #include "../sampling.h"
+#include "points.h"
 #include "sampled_sum_sizes.h"
 
 namespace deform_conv {
@@ -34,6 +35,11 @@ struct SampledSumKernels {
                                                  const at::Tensor& points, const at::Tensor& point_levels,
                                                  const at::Tensor& spatial_shapes,
                                                  const at::Tensor& level_start_index, BorderGradient border);
+  // The forward on a grid's points read in place from contiguous offsets and weights of the points' dtype
+  // (points.h's GridLayout), without materialising them: the same points, the same sums, bitwise. The CPU's
+  // only (nullptr elsewhere: there the host code materialises the points).
+  at::Tensor (*grid_forward)(const at::Tensor& value, const ConvGrid& grid, const GridLayout& layout,
+                             const at::Tensor& offsets, const at::Tensor& weights);
 };
 
 namespace cpu {

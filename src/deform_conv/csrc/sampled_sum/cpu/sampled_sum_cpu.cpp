@@ -59,34 +59,84 @@ SampledLevels read_sum_levels(const SampledSumSizes& s, const at::Tensor& point_
 }
 
 template <typename acc_t>
-BilinearSample<acc_t> sample_of(const acc_t* point, const SampledLevel& level) {
+BilinearSample<acc_t> sample_of(acc_t x, acc_t y, const SampledLevel& level) {
   if (!level.fits) {
     BilinearSample<acc_t> nan;
     nan.nan = true;
     return nan;
   }
-  return bilinear_sample(point[1], point[0], level.height, level.width);
+  return bilinear_sample(y, x, level.height, level.width);
 }
+
+template <typename acc_t>
+struct PointXYW {
+  acc_t x, y, weight;
+};
+
+// Where the forward reads a point: from the points tensor [N, Q, G, K, 3] ...
+template <typename acc_t>
+struct StoredPoints {
+  const acc_t* data;
+  int64_t groups, points;
+
+  struct Row {
+    const acc_t* base;  // [G, K, 3]
+    int64_t points;
+    PointXYW<acc_t> at(int64_t g, int64_t k) const {
+      const acc_t* p = base + 3 * (g * points + k);
+      return {p[0], p[1], p[2]};
+    }
+  };
+  Row row(int64_t row) const { return {data + 3 * row * groups * points, points}; }
+};
+
+// ... or, on a grid, from its offsets and weights in place, computed as grid_points (points.cpp) computes them:
+// base + (tap + offset) * offset_scale in acc_t, the same operations in the same order (no contraction: the
+// library is compiled with -ffp-contract=off), so the same bits.
+template <typename acc_t>
+struct GridPointReader {
+  const acc_t *offsets, *weights, *base_x, *base_y, *tap_x, *tap_y;
+  GridLayout layout;
+  acc_t scale;
+  int64_t out_height, out_width;
+
+  struct Row {
+    const acc_t *offsets, *weights, *tap_x, *tap_y;
+    acc_t base_x, base_y, scale;
+    int64_t offset_group, weight_group;
+    PointXYW<acc_t> at(int64_t g, int64_t k) const {
+      const acc_t* offset = offsets + g * offset_group + 2 * k;
+      return {base_x + (tap_x[k] + offset[0]) * scale, base_y + (tap_y[k] + offset[1]) * scale,
+              weights[g * weight_group + k]};
+    }
+  };
+  Row row(int64_t row) const {  // row = n * H_out * W_out + output pixel
+    const int64_t pixel = row % (out_height * out_width), oy = pixel / out_width, ox = pixel % out_width;
+    return {offsets + row * layout.offset_row, weights + row * layout.weight_row + layout.weight_start, tap_x, tap_y,
+            base_x[ox], base_y[oy], scale, layout.offset_group, layout.weight_group};
+  }
+};
 
 // About this many sampling points (times D channels) a task: enough to outweigh a task's cost.
 constexpr int64_t kSumPointsPerTask = 2048;
 
 // Output rows (image, query) [begin, end). `sum` holds D values.
-template <typename scalar_t>
+template <typename scalar_t, typename Points>
 void sum_rows_body(const SampledSumSizes& s, const SampledLevel* levels, const int64_t* level_of_point,
-                   const scalar_t* value, const at::opmath_type<scalar_t>* points, scalar_t* output, int64_t begin,
-                   int64_t end, at::opmath_type<scalar_t>* __restrict__ sum) {
+                   const scalar_t* value, Points points, scalar_t* output, int64_t begin, int64_t end,
+                   at::opmath_type<scalar_t>* __restrict__ sum) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t channels = s.channels, pixel_stride = s.groups * s.channels;
   for (int64_t row = begin; row < end; ++row) {
     const int64_t n = row / s.queries, q = row % s.queries;
+    const typename Points::Row points_of_row = points.row(row);
     for (int64_t g = 0; g < s.groups; ++g) {
       for (int64_t d = 0; d < channels; ++d) sum[d] = 0;
       for (int64_t k = 0; k < s.points; ++k) {
-        const acc_t* point = points + 3 * s.point_index(n, q, g, k);
+        const PointXYW<acc_t> point = points_of_row.at(g, k);
         const SampledLevel& level = levels[level_of_point[k]];
-        const BilinearSample<acc_t> b = sample_of(point, level);
-        const acc_t w = point[2];
+        const BilinearSample<acc_t> b = sample_of(point.x, point.y, level);
+        const acc_t w = point.weight;
         const scalar_t* image = value + s.value_index(n, level.fits ? level.start : 0, g);
         if (b.count == 4 && std::isfinite(w)) {
           // All four neighbours in the level, a finite weight: one pass, the weight folded into the bilinear
@@ -140,7 +190,7 @@ void sum_backward_tasks_body(const SampledSumSizes& s, const SampledLevel* level
       for (int64_t k = 0; k < s.points; ++k) {
         if (level_of_point[k] != l) continue;
         const int64_t point = s.point_index(n, q, g, k);
-        const BilinearSample<acc_t> b = sample_of(points + 3 * point, level);
+        const BilinearSample<acc_t> b = sample_of(points[3 * point], points[3 * point + 1], level);
         const acc_t w = points[3 * point + 2];
         // dot[c] = grad . neighbour c; d loss / d (the sample), d x and d y are sums over the neighbours of (its
         // weight, or the weight's derivative) * dot[c].
@@ -195,9 +245,51 @@ at::Tensor forward(const at::Tensor& value, const at::Tensor& points, const at::
     const scalar_t* value_data = v.const_data_ptr<scalar_t>();
     const acc_t* point_data = pts.const_data_ptr<acc_t>();
     scalar_t* out = output.mutable_data_ptr<scalar_t>();
+    const StoredPoints<acc_t> stored{point_data, s.groups, s.points};
     at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> sum(s.channels);
-      sum_rows<scalar_t>(s, t.levels.data(), t.of_point.data(), value_data, point_data, out, begin, end, sum.data());
+      sum_rows<scalar_t>(s, t.levels.data(), t.of_point.data(), value_data, stored, out, begin, end, sum.data());
+    });
+  });
+  return output;
+}
+
+at::Tensor grid_forward(const at::Tensor& value, const ConvGrid& grid, const GridLayout& layout,
+                        const at::Tensor& offsets, const at::Tensor& weights) {
+  follow_torch_thread_count();
+  TORCH_INTERNAL_ASSERT(value.dim() == 4 && value.size(1) == grid.height * grid.width && offsets.is_contiguous() &&
+                            weights.is_contiguous() && offsets.scalar_type() == point_dtype(value.scalar_type()) &&
+                            weights.scalar_type() == offsets.scalar_type(),
+                        "sampled_sum grid_forward: bad arguments");
+  SampledSumSizes s{};
+  s.batch = value.size(0);
+  s.pixels = value.size(1);
+  s.groups = value.size(2);
+  s.channels = value.size(3);
+  s.queries = grid.out_height() * grid.out_width();
+  s.points = grid.points();
+  s.levels = 1;
+  const std::vector<SampledLevel> levels{{grid.height, grid.width, 0, true}};
+  const std::vector<int64_t> level_of_point(s.points, 0);
+  const GridTables tables = grid_tables(grid);
+  const at::Tensor v = value.contiguous();
+  at::Tensor output = at::empty({s.batch, s.queries, s.groups, s.channels}, value.options());
+  const int64_t grain = std::max<int64_t>(1, kSumPointsPerTask / std::max<int64_t>(1, s.groups * s.points));
+  SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_grid_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto in_acc = [](const std::vector<double>& table) {
+      return std::vector<acc_t>(table.begin(), table.end());  // rounded once, as grid_points' tables
+    };
+    const std::vector<acc_t> base_x = in_acc(tables.base_x), base_y = in_acc(tables.base_y);
+    const std::vector<acc_t> tap_x = in_acc(tables.tap_x), tap_y = in_acc(tables.tap_y);
+    const GridPointReader<acc_t> reader{offsets.const_data_ptr<acc_t>(), weights.const_data_ptr<acc_t>(),
+                                        base_x.data(), base_y.data(), tap_x.data(), tap_y.data(), layout,
+                                        static_cast<acc_t>(grid.offset_scale), grid.out_height(), grid.out_width()};
+    const scalar_t* value_data = v.const_data_ptr<scalar_t>();
+    scalar_t* out = output.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> sum(s.channels);
+      sum_rows<scalar_t>(s, levels.data(), level_of_point.data(), value_data, reader, out, begin, end, sum.data());
     });
   });
   return output;
@@ -238,7 +330,7 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_output, const
 }  // namespace
 
 const SampledSumKernels& sampled_sum_kernels() {
-  static const SampledSumKernels kernels{forward, backward};
+  static const SampledSumKernels kernels{forward, backward, grid_forward};
   return kernels;
 }
 
