@@ -154,13 +154,12 @@ def test_flash_deform_attn_is_softmax_then_ms_deform_attn(name):
                      GRAD_NAMES["flash_deform_attn"], **TOL)
 
 
-@pytest.mark.parametrize("op", ["dcnv3", "dcnv4"])
-def test_points_read_in_place_equal_the_materialised_ones_bitwise(op):
-    """With offsets (and mask) in the points' dtype the CPU forward reads each point from them in place
-    (sampled_sum's grid_forward); with bfloat16 offsets beside a bfloat16 input it materialises the points first
-    (grid_points). The same offsets (bfloat16 values, exactly float32 too) must give the same bits. (The outputs are
-    bfloat16: a difference of an ulp of float32 in a coordinate would mostly round away; what this catches is a
-    point read from the wrong place or computed another way.)"""
+def test_points_read_in_place_equal_the_materialised_ones_bitwise():
+    """The CPU forward reads each point in place from the offsets and mask (sampled_sum's grid_forward) where they
+    share one dtype, the points' or the input's; otherwise (here: float32 offsets beside a bfloat16 mask) it
+    materialises the points first (grid_points). The same values must give the same bits, for dcnv3 and dcnv4.
+    (The outputs are bfloat16: a difference of an ulp of float32 in a coordinate would mostly round away; what
+    this catches is a point read from the wrong place or computed another way.)"""
     g = torch.Generator().manual_seed(0)
     n, h, w, group, channels, kernel, stride, padding, dilation = 2, 9, 8, 3, 5, (3, 2), (2, 1), (1, 0), (2, 1)
     k = kernel[0] * kernel[1]
@@ -169,12 +168,14 @@ def test_points_read_in_place_equal_the_materialised_ones_bitwise(op):
     offset = (3 * torch.randn(n, ho, wo, group * k * 2, generator=g)).bfloat16()
     mask = torch.rand(n, ho, wo, group * k, generator=g).bfloat16()
     geometry = (kernel, stride, padding, dilation, group, 1.7)
-    if op == "dcnv3":
-        materialised = deform_conv.dcnv3(x, offset, mask, *geometry)
-        in_place = deform_conv.dcnv3(x, offset.float(), mask.float(), *geometry)
-    else:
-        blocks = torch.cat([offset.view(n, ho, wo, group, 2 * k), mask.view(n, ho, wo, group, k)], -1).flatten(3)
-        offset_mask = torch.cat([blocks, torch.randn(n, ho, wo, 3, generator=g).bfloat16()], -1)
-        materialised = deform_conv.dcnv4(x, offset_mask, *geometry)
-        in_place = deform_conv.dcnv4(x, offset_mask.float(), *geometry)
-    assert torch.equal(in_place, materialised)
+    materialised = deform_conv.dcnv3(x, offset.float(), mask, *geometry)
+    blocks = torch.cat([offset.view(n, ho, wo, group, 2 * k), mask.view(n, ho, wo, group, k)], -1).flatten(3)
+    offset_mask = torch.cat([blocks, torch.randn(n, ho, wo, 3, generator=g).bfloat16()], -1)
+    in_place = {
+        "dcnv3, float32 offsets and mask": deform_conv.dcnv3(x, offset.float(), mask.float(), *geometry),
+        "dcnv3, bfloat16 offsets and mask": deform_conv.dcnv3(x, offset, mask, *geometry),
+        "dcnv4, float32 offset_mask": deform_conv.dcnv4(x, offset_mask.float(), *geometry),
+        "dcnv4, bfloat16 offset_mask": deform_conv.dcnv4(x, offset_mask, *geometry),
+    }
+    for name, out in in_place.items():
+        assert torch.equal(out, materialised), name

@@ -100,7 +100,9 @@ at::Tensor dcnv3_forward(const SampledSumKernels& kernels, const at::Tensor& inp
   const int64_t batch = input.size(0), points = g.points();
   const GridCall call = grid_call(g, input, group);
   const at::ScalarType dtype = point_dtype(input.scalar_type());
-  if (kernels.grid_forward != nullptr && offset.scalar_type() == dtype && mask.scalar_type() == dtype) {
+  const bool in_place_types = (offset.scalar_type() == dtype || offset.scalar_type() == input.scalar_type()) &&
+                              mask.scalar_type() == offset.scalar_type();
+  if (kernels.grid_forward != nullptr && in_place_types) {
     // The points read in place from the offsets and the mask (the same points as grid_points', bitwise).
     const GridLayout layout{group * points * 2, points * 2, group * points, 0, points};
     const at::Tensor output = kernels.grid_forward(call.value, g, layout, offset.contiguous(), mask.contiguous());

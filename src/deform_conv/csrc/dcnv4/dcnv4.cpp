@@ -45,7 +45,8 @@ at::Tensor dcnv4_forward(const SampledSumKernels& kernels, const at::Tensor& inp
       checked_dcnv4(input, offset_mask, kernel_size, stride, padding, dilation, group, offset_scale, remove_center);
   const at::ScalarType dtype = point_dtype(input.scalar_type());
   const GridCall call = grid_call(g, input, group);
-  if (kernels.grid_forward != nullptr && !softmax && offset_mask.scalar_type() == dtype) {
+  const bool in_place_type = offset_mask.scalar_type() == dtype || offset_mask.scalar_type() == input.scalar_type();
+  if (kernels.grid_forward != nullptr && !softmax && in_place_type) {
     // The points read in place from offset_mask's blocks (the same points as grid_points', bitwise).
     const int64_t k = g.points(), channels = offset_mask.size(3);
     const at::Tensor om = offset_mask.contiguous();

@@ -35,9 +35,9 @@ struct SampledSumKernels {
                                                  const at::Tensor& points, const at::Tensor& point_levels,
                                                  const at::Tensor& spatial_shapes,
                                                  const at::Tensor& level_start_index, BorderGradient border);
-  // The forward on a grid's points read in place from contiguous offsets and weights of the points' dtype
-  // (points.h's GridLayout), without materialising them: the same points, the same sums, bitwise. The CPU's
-  // only (nullptr elsewhere: there the host code materialises the points).
+  // The forward on a grid's points read in place from contiguous offsets and weights (points.h's GridLayout) of
+  // the points' dtype or the value's, without materialising them: the same points, the same sums, bitwise. The
+  // CPU's only (nullptr elsewhere: there the host code materialises the points).
   at::Tensor (*grid_forward)(const at::Tensor& value, const ConvGrid& grid, const GridLayout& layout,
                              const at::Tensor& offsets, const at::Tensor& weights);
 };

@@ -90,24 +90,27 @@ struct StoredPoints {
   Row row(int64_t row) const { return {data + 3 * row * groups * points, points}; }
 };
 
-// ... or, on a grid, from its offsets and weights in place, computed as grid_points (points.cpp) computes them:
-// base + (tap + offset) * offset_scale in acc_t, the same operations in the same order (no contraction: the
-// library is compiled with -ffp-contract=off), so the same bits.
-template <typename acc_t>
+// ... or, on a grid, from its offsets and weights (of type offset_t: acc_t, or a half value's own type) in place,
+// computed as grid_points (points.cpp) computes them: base + (tap + offset) * offset_scale in acc_t, the same
+// operations in the same order (no contraction: the library is compiled with -ffp-contract=off), so the same bits.
+template <typename acc_t, typename offset_t>
 struct GridPointReader {
-  const acc_t *offsets, *weights, *base_x, *base_y, *tap_x, *tap_y;
+  const offset_t *offsets, *weights;
+  const acc_t *base_x, *base_y, *tap_x, *tap_y;
   GridLayout layout;
   acc_t scale;
   int64_t out_height, out_width;
 
   struct Row {
-    const acc_t *offsets, *weights, *tap_x, *tap_y;
+    const offset_t *offsets, *weights;
+    const acc_t *tap_x, *tap_y;
     acc_t base_x, base_y, scale;
     int64_t offset_group, weight_group;
     PointXYW<acc_t> at(int64_t g, int64_t k) const {
-      const acc_t* offset = offsets + g * offset_group + 2 * k;
-      return {base_x + (tap_x[k] + offset[0]) * scale, base_y + (tap_y[k] + offset[1]) * scale,
-              weights[g * weight_group + k]};
+      const offset_t* offset = offsets + g * offset_group + 2 * k;
+      return {base_x + (tap_x[k] + static_cast<acc_t>(offset[0])) * scale,
+              base_y + (tap_y[k] + static_cast<acc_t>(offset[1])) * scale,
+              static_cast<acc_t>(weights[g * weight_group + k])};
     }
   };
   Row row(int64_t row) const {  // row = n * H_out * W_out + output pixel
@@ -258,8 +261,9 @@ at::Tensor grid_forward(const at::Tensor& value, const ConvGrid& grid, const Gri
                         const at::Tensor& offsets, const at::Tensor& weights) {
   follow_torch_thread_count();
   TORCH_INTERNAL_ASSERT(value.dim() == 4 && value.size(1) == grid.height * grid.width && offsets.is_contiguous() &&
-                            weights.is_contiguous() && offsets.scalar_type() == point_dtype(value.scalar_type()) &&
-                            weights.scalar_type() == offsets.scalar_type(),
+                            weights.is_contiguous() && weights.scalar_type() == offsets.scalar_type() &&
+                            (offsets.scalar_type() == point_dtype(value.scalar_type()) ||
+                             offsets.scalar_type() == value.scalar_type()),
                         "sampled_sum grid_forward: bad arguments");
   SampledSumSizes s{};
   s.batch = value.size(0);
@@ -282,15 +286,24 @@ at::Tensor grid_forward(const at::Tensor& value, const ConvGrid& grid, const Gri
     };
     const std::vector<acc_t> base_x = in_acc(tables.base_x), base_y = in_acc(tables.base_y);
     const std::vector<acc_t> tap_x = in_acc(tables.tap_x), tap_y = in_acc(tables.tap_y);
-    const GridPointReader<acc_t> reader{offsets.const_data_ptr<acc_t>(), weights.const_data_ptr<acc_t>(),
-                                        base_x.data(), base_y.data(), tap_x.data(), tap_y.data(), layout,
-                                        static_cast<acc_t>(grid.offset_scale), grid.out_height(), grid.out_width()};
     const scalar_t* value_data = v.const_data_ptr<scalar_t>();
     scalar_t* out = output.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> sum(s.channels);
-      sum_rows<scalar_t>(s, levels.data(), level_of_point.data(), value_data, reader, out, begin, end, sum.data());
-    });
+    const auto run = [&](auto offsets_of_type) {
+      using offset_t = decltype(offsets_of_type);
+      const GridPointReader<acc_t, offset_t> reader{
+          offsets.const_data_ptr<offset_t>(), weights.const_data_ptr<offset_t>(), base_x.data(), base_y.data(),
+          tap_x.data(), tap_y.data(), layout, static_cast<acc_t>(grid.offset_scale), grid.out_height(),
+          grid.out_width()};
+      at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
+        std::vector<acc_t> sum(s.channels);
+        sum_rows<scalar_t>(s, levels.data(), level_of_point.data(), value_data, reader, out, begin, end, sum.data());
+      });
+    };
+    if (offsets.scalar_type() == point_dtype(value.scalar_type())) {
+      run(acc_t(0));
+    } else if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+      run(scalar_t(0));  // a half value's offsets in its own type, widened exactly as they are read
+    }
   });
   return output;
 }
