@@ -1,10 +1,11 @@
-// Calls deform_conv::deform_conv2d from C++ with no Python: load the library that `import deform_conv` built,
-// find the op through torch's dispatcher, run it once on fixed inputs and write the output to a file.
+// Calls deform_conv::deform_conv2d and deform_conv::dcnv3 from C++ with no Python: load the library that
+// `import deform_conv` built, find each op through torch's dispatcher, run it once on fixed inputs and write its
+// output to a file.
 //
-//   deform_conv_example <library.so> <output.bin>
+//   deform_conv_example <library.so> <deform_conv2d output.bin> <dcnv3 output.bin>
 //
-// The output file is the [B, C_out, H_out, W_out] result as raw little-endian float64, row-major, so a test
-// can compare it with the Python op on the same inputs (tests/integration/test_cpp_example.py).
+// Each output file is the result ([B, C_out, H_out, W_out]; [N, H_out, W_out, C]) as raw little-endian float64,
+// row-major, so a test can compare it with the Python op on the same inputs (tests/integration/test_cpp_example.py).
 #include <dlfcn.h>
 
 #include <cstdint>
@@ -47,7 +48,7 @@ bool write_le_float64(const at::Tensor& t, const char* path) {
 
 // Looks the op up, runs it on the fixed inputs and writes the output; c10::Error (no such op, a schema that
 // does not match Signature, a failed check in the kernel) propagates to main.
-int run(const char* output_path) {
+int run_deform_conv2d(const char* output_path) {
   // The signature the dispatcher maps the schema to: Tensor? -> optional<Tensor>, int[2] -> IntArrayRef,
   // str -> string_view (C++ callers pass every argument, defaults included). typed<> checks it against the
   // registered schema and throws on a mismatch.
@@ -83,11 +84,39 @@ int run(const char* output_path) {
   return 0;
 }
 
+// DCNv3 (InternImage's), channels last, on the same kind of awkward geometry.
+int run_dcnv3(const char* output_path) {
+  // dcnv3(Tensor input, Tensor offset, Tensor mask, int[2] kernel_size, int[2] stride, int[2] padding,
+  //       int[2] dilation, int group, float offset_scale, bool remove_center) -> Tensor
+  using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::IntArrayRef,
+                               at::IntArrayRef, at::IntArrayRef, at::IntArrayRef, int64_t, double, bool);
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow("deform_conv::dcnv3", "").typed<Signature>();
+
+  // kernel 3x2, stride (2, 1), padding (1, 0), dilation (2, 1), 3 groups of 5 channels.
+  const int64_t batch = 2, height = 7, width = 6, group = 3, group_channels = 5;
+  const int64_t kernel[2] = {3, 2}, stride[2] = {2, 1}, padding[2] = {1, 0}, dilation[2] = {2, 1};
+  const int64_t out_h = (height + 2 * padding[0] - dilation[0] * (kernel[0] - 1) - 1) / stride[0] + 1;  // 3
+  const int64_t out_w = (width + 2 * padding[1] - dilation[1] * (kernel[1] - 1) - 1) / stride[1] + 1;   // 5
+  const int64_t points = group * kernel[0] * kernel[1];
+
+  at::Tensor input = wave({batch, height, width, group * group_channels}, 0.41, 0.2, 1.0);
+  at::Tensor offset = wave({batch, out_h, out_w, points * 2}, 0.57, 0.1, 2.5);  // (x, y) of each point, in pixels
+  at::Tensor mask = wave({batch, out_h, out_w, points}, 0.31, 0.9, 0.5, 0.5);
+  at::Tensor out = op.call(input, offset, mask, kernel, stride, padding, dilation, group, 1.5, false);  // [2, 3, 5, 15]
+
+  if (!write_le_float64(out, output_path)) {
+    std::cerr << "error: cannot write the output to '" << output_path << "'\n";
+    return 1;
+  }
+  std::cout << "dcnv3 output shape " << out.sizes() << " written to " << output_path << "\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::cerr << "usage: " << argv[0] << " <deform_conv library .so> <output file>\n";
+  if (argc != 4) {
+    std::cerr << "usage: " << argv[0] << " <deform_conv library .so> <deform_conv2d output file> <dcnv3 output file>\n";
     return 2;
   }
   const char* library = argv[1];
@@ -102,9 +131,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   try {
-    return run(argv[2]);
+    const int status = run_deform_conv2d(argv[2]);
+    return status != 0 ? status : run_dcnv3(argv[3]);
   } catch (const c10::Error& e) {
-    std::cerr << "error: deform_conv::deform_conv2d from '" << library << "': " << e.what_without_backtrace() << "\n";
+    std::cerr << "error: deform_conv's ops from '" << library << "': " << e.what_without_backtrace() << "\n";
     return 1;
   }
 }

@@ -78,21 +78,35 @@ def _expected_output() -> torch.Tensor:
                                      mask=mask)
 
 
+def _expected_dcnv3_output() -> torch.Tensor:
+    # The geometry and inputs of deform_conv_example.cpp's run_dcnv3().
+    input = _wave((2, 7, 6, 15), 0.41, 0.2, 1.0)
+    offset = _wave((2, 3, 5, 36), 0.57, 0.1, 2.5)
+    mask = _wave((2, 3, 5, 18), 0.31, 0.9, 0.5, 0.5)
+    return deform_conv.dcnv3(input, offset, mask, (3, 2), (2, 1), (1, 0), (2, 1), 3, 1.5)
+
+
+def _read(path: Path, expected: torch.Tensor) -> torch.Tensor:
+    assert path.stat().st_size == expected.numel() * 8
+    return torch.tensor(struct.unpack(f"<{expected.numel()}d", path.read_bytes()), dtype=torch.float64).reshape(
+        expected.shape)
+
+
 def test_cpp_example_matches_python(example, tmp_path):
     library = next(lib.path for lib in deform_conv.libraries if lib.variant.kind == "cpu")
-    output = tmp_path / "output.bin"
-    result = _run([example, library, output], tmp_path, timeout=120)
-    expected = _expected_output()
-    assert f"output shape [{', '.join(map(str, expected.shape))}]" in result.stdout, result.stdout
-    assert output.stat().st_size == expected.numel() * 8
-    actual = torch.tensor(struct.unpack(f"<{expected.numel()}d", output.read_bytes()), dtype=torch.float64)
-    torch.testing.assert_close(actual.reshape(expected.shape), expected, rtol=1e-12, atol=1e-12)
-    assert expected.abs().max() > 1.0  # not a match of two near-zero outputs
+    outputs = tmp_path / "deform_conv2d.bin", tmp_path / "dcnv3.bin"
+    result = _run([example, library, *outputs], tmp_path, timeout=120)
+    for name, output, expected in (("", outputs[0], _expected_output()),
+                                   ("dcnv3 ", outputs[1], _expected_dcnv3_output())):
+        assert f"{name}output shape [{', '.join(map(str, expected.shape))}]" in result.stdout, result.stdout
+        torch.testing.assert_close(_read(output, expected), expected, rtol=1e-12, atol=1e-12)
+        assert expected.abs().max() > 1.0  # not a match of two near-zero outputs
 
 
 def test_cpp_example_names_a_library_it_cannot_load(example, tmp_path):
     missing = tmp_path / "no_such_library.so"
-    result = subprocess.run([str(example), str(missing), str(tmp_path / "out.bin")], capture_output=True,
+    result = subprocess.run([str(example), str(missing), str(tmp_path / "out.bin"), str(tmp_path / "dcnv3.bin")],
+                            capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 1
     assert f"cannot load the deform_conv library '{missing}'" in result.stderr, result.stderr
