@@ -124,6 +124,9 @@ def test_bench_command_writes_the_half_table(tmp_path):
     (["--threads", "1,2", "--small"], "--threads"),
     (["--dtype", "int8"], "--dtype"),
     (["--gpu", "--dtype", "float16"], "--gpu"),
+    (["--op", "dcnv5"], "--op"),
+    (["--op", "dcnv3", "--gpu"], "--op"),
+    (["--op", "flash_deform_attn", "--threads", "1,2"], "--op"),
 ])
 def test_bad_arguments_are_argparse_errors_naming_the_argument(args, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -154,3 +157,30 @@ def test_gpu_memcheck_case_runs_on_the_cpu():
     result = subprocess.run([sys.executable, str(script), "cpu"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "memcheck case ran on cpu" in result.stdout
+
+
+@pytest.mark.parametrize("op", ["dcnv3", "dcnv4", "flash_deform_attn"])
+def test_family_table_measures_every_column(op):
+    """`--op`'s table on the smoke shapes: a forward and a forward+backward row, every time positive, and the
+    grid_sample composition it compares with computes what the op computes."""
+    from deform_conv._bench import family
+
+    text = family.table(op, smoke=True, min_seconds=0.01, dtype=torch.float32)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "(ms)" not in line]
+    assert [row.split("|")[2].strip() for row in rows] == ["fwd", "fwd+bwd"]
+    for row in rows:
+        times = [float(cell) for cell in row.split("|")[3:6]]
+        assert all(math.isfinite(t) and t > 0 for t in times), row
+    calls = (family._flash_calls(family.SMOKE_LEVELS, torch.float64) if op == "flash_deform_attn"
+             else family._grid_calls(op, *family.SMOKE_STAGES["smoke"], torch.float64))
+    ours, composed = (fn(tensors) for fn, tensors in (calls["ours"], calls["grid_sample"]))
+    torch.testing.assert_close(ours, composed, rtol=1e-6, atol=1e-6)
+
+
+def test_bench_command_writes_a_family_table(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "deform_conv", "bench", "--smoke", "--op", "dcnv3", "--out",
+                             str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (tmp_path / "cpu_dcnv3.md").read_text()
+    assert "| case | pass | ours (ms) | grid_sample composition (ms) | depthwise conv2d (ms) |" in table
+    assert "| smoke | fwd |" in table and "| smoke | fwd+bwd |" in table and "torch " in table

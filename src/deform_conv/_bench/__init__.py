@@ -19,10 +19,13 @@ and `--dtype bfloat16` / `--dtype float16` times ours in that dtype against ours
 NCHW and channels_last (cpu_<dtype>.md); torchvision's CPU kernels have no bfloat16, so it is left out of that
 table, as are onnxruntime and the peak memory.
 
+`--op dcnv3|dcnv4|flash_deform_attn` times that op against its grid_sample composition and the floor of its shape
+(family.py; cpu_<op>.md).
+
 A module a concern, each importing only those listed before it: ``cases`` (shapes, inputs, implementations),
 ``timing`` (interleaved medians, peak memory, onnxruntime), ``environment`` (the environment line), ``report``
-(number formats, results files), ``suite`` (the main table and its plot), ``tables`` (the other tables) and
-``cli`` (the options, and ``main``).
+(number formats, results files), ``suite`` (the main table and its plot), ``tables`` (the other tables),
+``family`` (the DCNv3 family's tables) and ``cli`` (the options, and ``main``).
 """
 
 from .cases import IMPLEMENTATIONS, Case, make_inputs

@@ -9,9 +9,10 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from . import tables
+from . import family, tables
 from .cases import CASES, DTYPES, EXTRA_CASES, SMALL_CASES, SMOKE_CASES
 from .environment import environment
+from .family import table
 from .report import command_line
 from .suite import HEADER, markdown, plot, run
 from .timing import steady_malloc
@@ -48,11 +49,18 @@ def _parser() -> argparse.ArgumentParser:
                         help="float32: the main table; bfloat16 or float16: ours in that dtype against ours in "
                         "fp32 and conv2d in that dtype (NCHW and channels_last), written to cpu_<dtype>.md")
     parser.add_argument("--gpu", action="store_true", help="S1-S5 at batch 32 on the GPU, fp32 and bf16")
+    parser.add_argument("--op", choices=("deform_conv2d",) + family.OPS, default="deform_conv2d",
+                        help="the op: deform_conv2d (the tables above), or dcnv3, dcnv4, flash_deform_attn against "
+                        "their grid_sample compositions and the floor of their shape, written to cpu_<op>.md")
     return parser
 
 
 def _check_combinations(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses the combinations one table cannot honour (parser.error exits, naming the arguments)."""
+    if args.op != "deform_conv2d" and (args.gpu or args.small or args.extra or
+                                        (args.threads is not None and len(args.threads) > 1)):
+        parser.error(f"argument --op: {args.op}'s table has its own shapes, on the CPU at one thread count; drop "
+                     "--gpu, --small, --extra and a --threads list")
     scaling = args.threads is not None and len(args.threads) > 1
     if args.gpu and (args.small or args.dtype != "float32" or args.threads is not None):
         parser.error("argument --gpu: the GPU table has its own cases, dtypes and threads; "
@@ -64,12 +72,32 @@ def _check_combinations(parser: argparse.ArgumentParser, args: argparse.Namespac
                      "--small")
 
 
+def _family_main(args: argparse.Namespace) -> int:
+    """`--op dcnv3|dcnv4|flash_deform_attn`: that op's table (family.py)."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads[0])
+    steadied = steady_malloc()
+    dtype = DTYPES[args.dtype]
+    header = environment(steadied, dtype)
+    print(header)
+    text = table(args.op, args.smoke, 0.05 if args.smoke else args.min_seconds, dtype)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"cpu_{args.op}.md"
+        path.write_text(f"# {args.op} on the CPU\n\n{header}\n\nCommand: `{command_line(args)} --op {args.op}`\n\n"
+                        + text)
+        print(f"wrote {path}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     _check_combinations(parser, args)
     if args.gpu:
         return tables.gpu_main(args.out, min_seconds=min(args.min_seconds, 0.3))
+    if args.op != "deform_conv2d":
+        return _family_main(args)
     cases = (SMOKE_CASES if args.smoke
              else CASES + (EXTRA_CASES if args.extra else []) + (SMALL_CASES if args.small else []))
     min_seconds = 0.05 if args.smoke else args.min_seconds
