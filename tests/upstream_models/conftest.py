@@ -100,3 +100,37 @@ def intern_image_models(upstream_dcnv3) -> types.SimpleNamespace:
         ours = load_intern_image("upstream_models._intern_image_on_deform_conv", sys.modules["ops_dcnv3"])
     upstream = load_intern_image("upstream_models._intern_image_on_upstream_ops_dcnv3", upstream_ops_dcnv3)
     return types.SimpleNamespace(ours=ours, upstream=upstream)
+
+
+def load_flash_intern_image(module_name: str, dcnv4_package: types.ModuleType) -> types.ModuleType:
+    """The DCNv4 repository's classification/models/flash_intern_image.py (unchanged copy in dcnv4_models/)
+    imported as ``module_name`` while sys.modules['DCNv4'] is ``dcnv4_package``: its ``import DCNv4`` binds that
+    package (``getattr(DCNv4, core_op)`` then picks the module class), after which sys.modules is put back."""
+    saved = sys.modules.get("DCNv4")
+    sys.modules["DCNv4"] = dcnv4_package
+    try:
+        spec = importlib.util.spec_from_file_location(module_name, HERE / "dcnv4_models" / "flash_intern_image.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if saved is None:
+            sys.modules.pop("DCNv4", None)
+        else:
+            sys.modules["DCNv4"] = saved
+    return module
+
+
+@pytest.fixture(scope="session")
+def flash_intern_image_models(upstream_dcnv4) -> types.SimpleNamespace:
+    """``ours``: flash_intern_image.py on install_dcnv4()'s ``DCNv4`` package (DCNv4.DCNv4 is deform_conv.nn.DCNv4);
+    ``upstream``: the same file on a ``DCNv4`` package whose DCNv4 is the upstream module copy (dcnv4_modules/, on
+    our DCNv4Function); ``shim``: the installed package. Skipped without timm."""
+    pytest.importorskip("timm", reason="flash_intern_image.py imports timm (pyproject's [test] extra)")
+    with shim_installed(DCNV4_NAMES, install_dcnv4):
+        shim = sys.modules["DCNv4"]
+        ours = load_flash_intern_image("upstream_models._flash_intern_image_on_deform_conv", shim)
+    upstream_package = types.ModuleType("DCNv4")
+    upstream_package.DCNv4 = upstream_dcnv4.DCNv4
+    upstream_package.FlashDeformAttn = upstream_dcnv4.FlashDeformAttn
+    upstream = load_flash_intern_image("upstream_models._flash_intern_image_on_upstream_dcnv4", upstream_package)
+    return types.SimpleNamespace(ours=ours, upstream=upstream, shim=shim)
