@@ -27,20 +27,13 @@ class FlashDeformAttn(MSDeformAttn):
         input_level_start_index: Tensor,
         input_padding_mask: Optional[Tensor] = None,
     ) -> Tensor:
-        self._check_forward_args(query, reference_points, input_flatten, input_spatial_shapes, input_padding_mask)
-        batch, queries, _ = query.shape
-        pixels = input_flatten.shape[1]
-        heads, levels, points = self.n_heads, self.n_levels, self.n_points
-        value = self.value_proj(input_flatten)
-        if input_padding_mask is not None:
-            value = value.masked_fill(input_padding_mask[..., None], 0.0)
-        value = value.view(batch, pixels, heads, self.d_model // heads)
-        offsets = self.sampling_offsets(query).view(batch, queries, heads, levels, points, 2)
-        logits = self.attention_weights(query).view(batch, queries, heads, levels * points)
-        locations = self._locations(reference_points, offsets, input_spatial_shapes).flatten(-3)
+        value, locations, logits = self._projections(query, reference_points, input_flatten, input_spatial_shapes,
+                                                     input_padding_mask)
+        locations = locations.flatten(-3)
         if locations.dtype != logits.dtype:  # e.g. float32 reference points beside a half Linear: keep float32
             dtype = torch.promote_types(locations.dtype, logits.dtype)
             locations, logits = locations.to(dtype), logits.to(dtype)
         sampling_loc_attn = torch.cat([locations, logits], -1)
-        output = flash_deform_attn(value, input_spatial_shapes, input_level_start_index, sampling_loc_attn, points)
+        output = flash_deform_attn(value, input_spatial_shapes, input_level_start_index, sampling_loc_attn,
+                                   self.n_points)
         return self.output_proj(output)

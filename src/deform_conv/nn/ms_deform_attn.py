@@ -145,23 +145,28 @@ class MSDeformAttn(nn.Module):
         input_level_start_index: Tensor,
         input_padding_mask: Optional[Tensor] = None,
     ) -> Tensor:
-        self._check_forward_args(query, reference_points, input_flatten, input_spatial_shapes, input_padding_mask)
-        batch, queries, _ = query.shape
-        pixels = input_flatten.shape[1]
-        heads, levels, points = self.n_heads, self.n_levels, self.n_points
-
-        value = self.value_proj(input_flatten)
-        if input_padding_mask is not None:
-            value = value.masked_fill(input_padding_mask[..., None], 0.0)
-        value = value.view(batch, pixels, heads, self.d_model // heads)  # [N, S, M, D]
-        offsets = self.sampling_offsets(query).view(batch, queries, heads, levels, points, 2)
+        value, locations, logits = self._projections(query, reference_points, input_flatten, input_spatial_shapes,
+                                                     input_padding_mask)
         # Softmax over all levels and points of a head together, as Deformable DETR.
-        weights = self.attention_weights(query).view(batch, queries, heads, levels * points)
-        weights = torch.softmax(weights, -1).view(batch, queries, heads, levels, points)
-        locations = self._locations(reference_points, offsets, input_spatial_shapes)
+        weights = torch.softmax(logits, -1).view(*logits.shape[:3], self.n_levels, self.n_points)
         output = ms_deform_attn(value, input_spatial_shapes, input_level_start_index, locations, weights,
                                 self.im2col_step)
         return self.output_proj(output)
+
+    def _projections(self, query: Tensor, reference_points: Tensor, input_flatten: Tensor,
+                     input_spatial_shapes: Tensor, input_padding_mask: Optional[Tensor]):
+        """The checked arguments' value [N, S, M, D] (padding pixels zeroed), sampling locations
+        [N, Lq, M, L, P, 2] and attention logits [N, Lq, M, L * P]: what MSDeformAttn and FlashDeformAttn share."""
+        self._check_forward_args(query, reference_points, input_flatten, input_spatial_shapes, input_padding_mask)
+        batch, queries, _ = query.shape
+        heads, levels, points = self.n_heads, self.n_levels, self.n_points
+        value = self.value_proj(input_flatten)
+        if input_padding_mask is not None:
+            value = value.masked_fill(input_padding_mask[..., None], 0.0)
+        value = value.view(batch, input_flatten.shape[1], heads, self.d_model // heads)
+        offsets = self.sampling_offsets(query).view(batch, queries, heads, levels, points, 2)
+        logits = self.attention_weights(query).view(batch, queries, heads, levels * points)
+        return value, self._locations(reference_points, offsets, input_spatial_shapes), logits
 
     def _locations(self, reference_points: Tensor, offsets: Tensor, input_spatial_shapes: Tensor) -> Tensor:
         """The sampling locations [N, Lq, M, L, P, 2] from the reference points and the offsets."""
