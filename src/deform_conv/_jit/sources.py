@@ -2,8 +2,8 @@
 and the opt-in ahead-of-time build (setup.py). Plain data and the standard library only, so setup.py can read it
 by path.
 
-A library is compiled as a few translation units ("units"), each the sources of one concern of one op included
-one after another. torch's headers, not our code, dominate the compile (a unit holding nothing but
+A library is compiled as a few translation units ("units"), each the sources of one concern of one op (or of a
+group of ops that take the same headers: UNIT_GROUPS) included one after another. torch's headers, not our code, dominate the compile (a unit holding nothing but
 <ATen/ATen.h> and <torch/library.h> takes 6.8 s on a 2-core Xeon, and nvcc parses a header several times), so
 they are parsed once a unit instead of once a file: only the registration units see torch/library.h; the
 kernels see ATen/core/Tensor.h and the few ATen functions they call, the CUDA kernels no torch header beyond
