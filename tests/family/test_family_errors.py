@@ -207,3 +207,11 @@ def test_all_meta_calls_infer_shapes_as_the_op_does():
     out = deform_conv.deform_conv2d(torch.empty(1, 4, 5, 5, **meta), torch.empty(1, 18, 5, 5, **meta),
                                     torch.empty(2, 4, 3, 3, **meta), padding=1)
     assert out.device.type == "meta" and tuple(out.shape) == (1, 2, 5, 5)
+
+
+def test_direct_call_with_an_overflowing_kernel_names_it():
+    """kernel_size 2^32 x 2^32 straight to the op: K would wrap around int64 to 0 (and the grid's tables loop for
+    ever); the C++ check names the product."""
+    with pytest.raises(RuntimeError, match=r"^kernel_size\[0\] \* kernel_size\[1\] overflows int64"):
+        torch.ops.deform_conv.dcnv3(torch.randn(1, 1, 1, 4), torch.zeros(1, 2, 2, 0), torch.zeros(1, 2, 2, 0),
+                                    [2**32, 2**32], [1, 1], [2**31, 2**31], [1, 1], 1, 1.0, False)

@@ -190,11 +190,13 @@ def test_levels_that_do_not_fit_sample_nan_and_read_nothing(deterministic):
     torch.testing.assert_close(grad_locations[:, :, :, :1], expected[1], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("case", ["starts all 0", "overlapping levels", "pixels beyond the levels", "level 0x4"])
+@pytest.mark.parametrize("case", ["starts all 0", "overlapping levels", "pixels beyond the levels", "level 0x4",
+                                  "a level whose pixel count wraps around int64"])
 def test_inconsistent_levels_are_refused_on_the_device(case):
     """Level metadata the GPU path cannot read on the host (it would synchronise) is checked on the device
     (torch._assert_async, which fails at the next synchronisation on a GPU and at once in the simulation), forward
-    and backward: before, levels that fit but contradict each other sampled the wrong pixels without a word."""
+    and backward: levels that fit in value but contradict each other would otherwise sample the wrong pixels
+    without a word."""
     a = make_attention([(3, 4), (2, 2)])  # 16 pixels, levels starting at 0 and 12
     shapes, starts, value = a.spatial_shapes.clone(), a.level_start_index.clone(), a.value
     if case == "starts all 0":
@@ -203,8 +205,11 @@ def test_inconsistent_levels_are_refused_on_the_device(case):
         starts[1] = 10
     elif case == "pixels beyond the levels":
         value = torch.cat([value, value[:, :3]], 1)  # 19 pixels, the levels cover 16
-    else:
+    elif case == "level 0x4":
         shapes[0] = torch.tensor([0, 4])
+    else:  # 2^32 x 2^32 is 0 in int64 arithmetic: level 1 would start at 0 as the sums say
+        shapes[0] = torch.tensor([2**32, 2**32])
+        starts[1] = 0
     bad = a._replace(spatial_shapes=shapes, level_start_index=starts, value=value)
     with pytest.raises(RuntimeError, match="checked on the device"):
         sim.ms_deform_attn(*bad)

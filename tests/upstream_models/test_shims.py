@@ -299,3 +299,29 @@ def test_install_dcnv4_refuses_another_module(no_dcnv4, monkeypatch, taken):
     package = install_dcnv4(replace=True)
     assert sys.modules["DCNv4"] is package and sys.modules[taken] is not other
     assert importlib.import_module("DCNv4.ext") is package.ext
+
+
+def test_extension_functions_ignore_autocast_as_compiled_ones_do():
+    """The extension's functions stand for compiled code, which autocast does not touch: under bfloat16 autocast
+    float32 tensors give a float32 result, and the backward takes the float32 grad_output InternImage's
+    DCNv3Function (custom_fwd) hands it."""
+    import sys
+
+    from deform_conv.compat import install_dcnv3
+
+    saved = {name: sys.modules.pop(name) for name in ("DCNv3", "ops_dcnv3", "ops_dcnv3.functions",
+                                                       "ops_dcnv3.modules") if name in sys.modules}
+    try:
+        extension = install_dcnv3()
+        x, offset, mask = torch.randn(1, 5, 5, 4), torch.randn(1, 5, 5, 36), torch.rand(1, 5, 5, 18)
+        args = (3, 3, 1, 1, 1, 1, 1, 1, 2, 2, 1.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = extension.dcnv3_forward(x, offset, mask, *args, 64, 0)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, deform_conv.dcnv3(x, offset, mask, 3, 1, 1, 1, 2))
+        grads = extension.dcnv3_backward(x, offset, mask, *args, torch.ones_like(out), 64, 0)
+        assert [g.dtype for g in grads] == [torch.float32] * 3
+    finally:
+        for name in ("DCNv3", "ops_dcnv3", "ops_dcnv3.functions", "ops_dcnv3.modules"):
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)

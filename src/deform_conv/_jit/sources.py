@@ -3,11 +3,12 @@ and the opt-in ahead-of-time build (setup.py). Plain data and the standard libra
 by path.
 
 A library is compiled as a few translation units ("units"), each the sources of one concern of one op (or of a
-group of ops that take the same headers: UNIT_GROUPS) included one after another. torch's headers, not our code, dominate the compile (a unit holding nothing but
-<ATen/ATen.h> and <torch/library.h> takes 6.8 s on a 2-core Xeon, and nvcc parses a header several times), so
-they are parsed once a unit instead of once a file: only the registration units see torch/library.h; the
-kernels see ATen/core/Tensor.h and the few ATen functions they call, the CUDA kernels no torch header beyond
-c10's Half and BFloat16. A unit's sources share one translation unit, so their file-local names must differ.
+group of ops that take the same headers: UNIT_GROUPS) included one after another. torch's headers, not our code,
+dominate the compile (a unit holding nothing but <ATen/ATen.h> and <torch/library.h> takes 6.8 s on a 2-core
+Xeon, and nvcc parses a header several times), so they are parsed once a unit instead of once a file: only the
+registration units see torch/library.h; the kernels see ATen/core/Tensor.h and the few ATen functions they call,
+the CUDA kernels no torch header beyond c10's Half and BFloat16. A unit's sources share one translation unit, so
+their file-local names must differ.
 
 Each op lives in csrc/<op>/ and is found there by convention:
   csrc/<op>/*.cpp         host code of every backend (sizes, checks, the device-independent driver)
@@ -99,8 +100,8 @@ def units(kind, csrc):
             apart = tuple(f"{prefix}/{name}" for name in CPU_SAMPLING_UNITS.get(prefix, ()))
             if apart:
                 found[f"{prefix}_cpu_sampling"] = apart
-            found[f"{prefix}_cpu"] = tuple(s for s in _sources(csrc, fs, None, ".cpp") + _sources(csrc, fs, "cpu", ".cpp")
-                                           if s not in apart)
+            sources = _sources(csrc, fs, None, ".cpp") + _sources(csrc, fs, "cpu", ".cpp")
+            found[f"{prefix}_cpu"] = tuple(s for s in sources if s not in apart)
         found["ops"] = (CPU_REGISTRATION,)
         return found
     if kind in ("cuda", "cuda_simulation"):

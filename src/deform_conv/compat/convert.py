@@ -1,5 +1,6 @@
-"""Models built on other libraries' deformable layers: ``convert_modules`` swaps torchvision's,
-mmcv's, detectron2's, InternImage's and the DCNv4 repository's layers for ours, and ``Detectron2DeformConv`` is the layer detectron2's become.
+"""Models built on other libraries' deformable layers: ``convert_modules`` swaps torchvision's, mmcv's,
+detectron2's, InternImage's and the DCNv4 repository's layers for ours, and ``Detectron2DeformConv`` is the layer
+detectron2's become.
 
 Sources are recognised by the module that defines their class and its name, never by importing the library:
 this module imports neither mmcv nor detectron2."""

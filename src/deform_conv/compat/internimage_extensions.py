@@ -10,6 +10,7 @@ launches (``im2col_step``, ``d_stride``, ``block_thread``) are accepted and igno
 
 from __future__ import annotations
 
+import contextlib
 import types
 from typing import Callable, List, Optional, Sequence
 
@@ -32,9 +33,17 @@ def _check_group_channels(input: Tensor, group: int, group_channels: int) -> Non
                          f"group = {group} and group_channels = {group_channels}")
 
 
+def _as_compiled(device_type: str):
+    """What a compiled extension's function runs under: no autocast (its caller's ``custom_fwd`` decides the
+    dtypes; an op of ours would apply its own autocast rule and return, say, bfloat16 for float32 tensors)."""
+    if device_type in ("cpu", "cuda"):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _without_graph(devices, op: Callable, reference: Callable, args: Sequence) -> Tensor:
     """The compiled op (or, on a device without compiled kernels, the reference) on ``args``, recording no graph."""
-    with torch.no_grad():
+    with torch.no_grad(), _as_compiled(args[0].device.type):
         if args[0].device.type in devices:
             return op(*args)
         return reference(*args)
@@ -46,7 +55,7 @@ def _gradients(devices, op_backward: Callable, reference: Callable, grad_output:
     if tensors[0].device.type in devices:
         with torch.no_grad():
             return list(op_backward(grad_output.contiguous(), *tensors, *rest))
-    with torch.enable_grad():
+    with torch.enable_grad(), _as_compiled(tensors[0].device.type):
         leaves = [t.detach().requires_grad_() for t in tensors]
         out = reference(*leaves, *rest)
         return list(torch.autograd.grad(out, leaves, grad_output))

@@ -54,7 +54,8 @@ class DCNv3(nn.Module):
     ``center_feature_scale`` ``center_feature_scale_proj_weight`` and ``_bias``), initialisation
     (``_reset_parameters``) and channels-last forward ``[N, H, W, C] -> [N, H, W, C]``, with the mask's softmax
     over each group's points taken before the op, as upstream. Any channels a group (upstream warns unless a power
-    of 2); the offsets and the mask keep their dtype (float32 under autocast), never rounded to the input's."""
+    of 2). The mask keeps the dtype its softmax gives it (upstream casts it to the input's); under autocast the
+    offsets and mask are the Linear layers' bfloat16, which the op accepts, computing the points in float32."""
 
     def __init__(self, channels: int = 64, kernel_size: int = 3, dw_kernel_size=None, stride: int = 1, pad: int = 1,
                  dilation: int = 1, group: int = 4, offset_scale: float = 1.0, act_layer: str = "GELU",

@@ -44,8 +44,7 @@ def ms_deform_attn(
 
     value float16, bfloat16, float32 or float64; sampling_locations and attention_weights value's dtype, or float32
     beside a half value (the coordinates are then computed in float32: autocast keeps them so); every tensor on
-    one device. Sampling
-    is bilinear with zero outside the image; a location with a NaN coordinate samples NaN, one at +-inf samples 0
+    one device. Sampling is bilinear with zero outside the image; a location with a NaN coordinate samples NaN, one at +-inf samples 0
     (README, "Non-finite offsets"); the weights multiply the samples, so non-finite weights propagate as a
     multiplication does.
 

@@ -1,4 +1,4 @@
-"""Argument checks both ops share: tensors (type, layout, rank), int pairs, the supported dtypes.
+"""Argument checks the ops share: tensors (type, layout, rank), int pairs, the supported dtypes.
 
 Each error names the argument, what was expected and what was got. Each op's own checks (its ``checks.py``) are
 written on these.

@@ -1,4 +1,4 @@
-"""What both ops' Python faces (their ``function.py``) share: the autocast rule, and whether an ONNX export is
+"""What the ops' Python faces (their ``function.py``) share: the autocast rule, and whether an ONNX export is
 running."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from .checks import IntPair
 
 
 def autocast_cast(t, dtype: torch.dtype):
-    """Both ops' autocast rule, as autocast treats ``conv2d``: a float32 or half tensor becomes ``dtype``; float64
+    """The ops' autocast rule for their input or value, as autocast treats ``conv2d``: a float32 or half tensor becomes ``dtype``; float64
     tensors, integer tensors and anything that is not a tensor are left alone."""
     if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64:
         return t.to(dtype)

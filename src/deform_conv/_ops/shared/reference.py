@@ -1,4 +1,4 @@
-"""The bilinear sampling both ops' pure-PyTorch references are written with (``_bilinear``): the one copy of
+"""The bilinear sampling the ops' pure-PyTorch references are written with (``_bilinear``): the one copy of
 the sampling math on the Python side, as csrc/sampling.h is on the C++ side.
 
 Differentiable by autograd, so the references' gradients are the ground truth for ours. Semantics as in

@@ -1,6 +1,7 @@
 """How an op's Python parts are registered with its schema once the library that defines it is loaded: the fake
 kernels, the autograd formula (its backward an op of its own), the refusal of double backward, the autocast
-kernel, and the refusal of sparse tensors. Written once for the ops of the DCNv3/DCNv4 family (each op's ``function.py`` says what to register)."""
+kernel (register_op, for the ops of the DCNv3 family: each op's ``function.py`` says what to register), and the
+refusal of sparse tensors (refuse_sparse, for every op)."""
 
 from __future__ import annotations
 

@@ -41,6 +41,10 @@ ConvGrid make_dcnv3_grid(const at::Tensor& input, at::IntArrayRef kernel_size, a
   TORCH_CHECK(std::isfinite(offset_scale), "offset_scale must be finite, got ", offset_scale);
   TORCH_CHECK(!remove_center || (kernel_size[0] % 2 == 1 && kernel_size[1] % 2 == 1),
               "remove_center needs an odd kernel_size in both dimensions, got ", kernel_size);
+  // K (and the offsets' group * K * 3 channels, the most any op reads) overflow-checked: the schema takes any int.
+  const int64_t taps = family::checked_mul_add(kernel_size[0], kernel_size[1], 0, "kernel_size[0] * kernel_size[1]");
+  family::checked_mul_add(family::checked_mul_add(group, 3, 0, "group * 3"), taps, 0,
+                          "group * kernel_size[0] * kernel_size[1] * 3");
   ConvGrid g{kernel_size[0], kernel_size[1], stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
              offset_scale, remove_center, input.size(1), input.size(2)};
   // The span of the kernel and the padded size, overflow-checked (the Python checks bound them first).

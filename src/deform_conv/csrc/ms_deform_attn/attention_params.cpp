@@ -42,11 +42,14 @@ void check_level_values(const at::Tensor& spatial_shapes, const at::Tensor& leve
 void assert_level_values_async(const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
                                int64_t pixels) {
   // What check_level_values checks, computed on the device: levels at least 1x1, each starting where the ones
-  // before it end, filling value's pixels. (A product that overflows int64 makes the sums wrong, and then unequal.)
+  // before it end, filling value's pixels. Each level's pixel count is also compared with value's in float64 (exact
+  // up to 2^53), where it cannot wrap around as an int64 product can (2^32 x 2^32 would wrap to 0).
   const at::Tensor heights = spatial_shapes.select(1, 0), widths = spatial_shapes.select(1, 1);
   const at::Tensor sizes = heights.mul(widths);
   const at::Tensor ends = sizes.cumsum(0);
+  const at::Tensor fit = heights.to(at::kDouble).mul(widths.to(at::kDouble)).le(static_cast<double>(pixels)).all();
   const at::Tensor consistent = heights.ge(1).logical_and(widths.ge(1)).all()
+                                    .logical_and(fit)
                                     .logical_and(level_start_index.eq(ends.sub(sizes)).all())
                                     .logical_and(ends.select(0, ends.size(0) - 1).eq(pixels));
   at::_assert_async(consistent,

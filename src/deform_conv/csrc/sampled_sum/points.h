@@ -3,7 +3,8 @@
 // the points' gradients to the ops' arguments. Written once with ATen's operators, so every backend runs the same
 // code (on the value's device, without a host synchronisation); the points are computed in float32 (float64 for
 // a float64 value) whatever the dtype of the value or of the offsets: coordinates are never rounded to a half
-// type. Host code.
+// type. (The CPU forward of a grid computes the same points in its kernel: sampled_sum.h's grid_forward, on
+// grid_tables.) Host code.
 #pragma once
 
 #include <ATen/core/Tensor.h>

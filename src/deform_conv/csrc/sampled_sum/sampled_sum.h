@@ -2,8 +2,9 @@
 // samples of a channels-last value tensor at given points, and its gradients. The ops differ only in where their
 // points come from (a grid plus offsets, or normalised locations in levels) and whether their weights pass
 // through a softmax; each op's host code (csrc/<op>/) computes the points in float32 (float64 for a float64
-// value) with ATen's operators, whatever the value's dtype, calls these kernels, and carries the points'
-// gradients back to its own arguments. So there is one CPU and one CUDA kernel for the whole family.
+// value) with ATen's operators (points.h), whatever the value's dtype, calls these kernels, and carries the
+// points' gradients back to its own arguments. So there is one CPU and one CUDA kernel for the whole family. (The
+// CPU's grid_forward, below, reads a grid's points from its offsets in place instead: the same points.)
 //
 //   value        [N, S, G, D]     S = the pixels of all levels, one level after another
 //   points       [N, Q, G, K, 3]  (x, y, weight) of each point, x and y in the level's pixel coordinates

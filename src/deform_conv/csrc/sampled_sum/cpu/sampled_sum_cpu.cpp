@@ -1,6 +1,7 @@
-// The family's shared kernels on the CPU (sampled_sum.h). Compiled in one unit with multi-scale deformable
-// attention's CPU kernels (_jit/sources.py's UNIT_GROUPS), so their file-local names differ from those.: every dtype computed natively, the half types read as
-// they are and accumulated in float32 (at::opmath_type), the points already in float32 (float64).
+// The family's shared kernels on the CPU (sampled_sum.h): every dtype computed natively, the half types read as
+// they are and accumulated in float32 (at::opmath_type), the points in float32 (float64). Compiled in one unit
+// with multi-scale deformable attention's CPU kernels (_jit/sources.py's UNIT_GROUPS), so their file-local names
+// differ from those.
 //
 // As multi-scale deformable attention's CPU kernels (csrc/ms_deform_attn/cpu/): each point's neighbours and
 // weights come from sampling.h once for all D channels of its group, the loops over channels are contiguous
@@ -40,8 +41,8 @@ struct SampledLevels {
   std::vector<int64_t> of_point;  // [points]
 };
 
-SampledLevels read_sum_levels(const SampledSumSizes& s, const at::Tensor& point_levels, const at::Tensor& spatial_shapes,
-                          const at::Tensor& level_start_index) {
+SampledLevels read_sum_levels(const SampledSumSizes& s, const at::Tensor& point_levels,
+                              const at::Tensor& spatial_shapes, const at::Tensor& level_start_index) {
   const at::Tensor shapes = spatial_shapes.contiguous(), starts = level_start_index.contiguous();
   const at::Tensor of_point = point_levels.contiguous();
   SampledLevels t;
