@@ -20,17 +20,6 @@ LR = 0.1
 DTYPE = torch.float64  # see the tolerance in test_ddp.py
 
 
-class ChannelsLast(nn.Module):
-    """A channels-last layer (InternImage's DCNv3) inside a channels-first model."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-
-
 def build_model() -> nn.Module:
     import deform_conv  # imported here: a rank imports it only after the rendezvous (see main)
 
@@ -39,13 +28,12 @@ def build_model() -> nn.Module:
     model = nn.Sequential(
         deform_conv.ModulatedDeformConv2dPack(3, 4, 3, padding=1, deform_groups=1),
         nn.Tanh(),
-        ChannelsLast(deform_conv.nn.DCNv3(4, kernel_size=3, group=2)),
         nn.Conv2d(4, 2, 1),
     ).to(DTYPE)
-    with torch.no_grad():  # the offsets start at zero; perturb them so offsets and masks are not trivial
-        for layer in (model[0].conv_offset, model[2].layer.offset, model[2].layer.mask):
-            layer.weight.copy_(0.5 * torch.randn(layer.weight.shape, dtype=DTYPE, generator=g))
-            layer.bias.copy_(0.5 * torch.randn(layer.bias.shape, dtype=DTYPE, generator=g))
+    with torch.no_grad():  # conv_offset starts at zero; perturb it so offsets and masks are not trivial
+        conv_offset = model[0].conv_offset
+        conv_offset.weight.copy_(0.5 * torch.randn(conv_offset.weight.shape, dtype=DTYPE, generator=g))
+        conv_offset.bias.copy_(0.5 * torch.randn(conv_offset.bias.shape, dtype=DTYPE, generator=g))
     return model
 
 
