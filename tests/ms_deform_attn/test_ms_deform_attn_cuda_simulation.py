@@ -224,3 +224,27 @@ def test_non_contiguous_inputs():
     weights = a.attention_weights.transpose(0, 1).contiguous().transpose(0, 1)
     assert not (value.is_contiguous() or locations.is_contiguous() or weights.is_contiguous())
     assert_matches_reference(a.with_floats(value, locations, weights))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_float32_locations_beside_a_half_value_run_the_family_kernels(dtype, deterministic):
+    """The CUDA backend's mixed-dtype path (float32_points: float32 locations and weights beside a half value, on
+    the family's sampled_sum kernels) launches those kernels and computes what the CPU op computes on the same
+    tensors (each sums in float32, in its own order: to a few float32 ulps before the final rounding)."""
+    a = make_attention([(3, 4), (2, 2)])
+    mixed = a._replace(value=a.value.to(dtype), sampling_locations=a.sampling_locations.float(),
+                       attention_weights=a.attention_weights.float())
+    grad_output = grad_output_for(a).to(dtype)
+    before = testing.simulation_statistics().launches
+    with deterministic_algorithms(deterministic):
+        actual = [sim.ms_deform_attn(*mixed), *sim.ms_deform_attn_backward(grad_output, *mixed)]
+    assert testing.simulation_statistics().launches - before >= (4 if deterministic else 2)
+    expected = [torch.ops.deform_conv.ms_deform_attn(*mixed),
+                *torch.ops.deform_conv.ms_deform_attn_backward(grad_output, *mixed)]
+    assert [t.dtype for t in actual] == [dtype, dtype, torch.float32, torch.float32]
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10  # one ulp of the half type: a rounding may tip
+    for name, x, e in zip(NAMES, actual, expected):
+        scale = float(e.double().abs().max()) + 1
+        torch.testing.assert_close(x.double(), e.double(), rtol=ulp if x.dtype == dtype else 1e-5,
+                                   atol=(ulp if x.dtype == dtype else 1e-5) * scale, msg=lambda m: f"{name}: {m}")
