@@ -12,6 +12,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 import deform_conv
+from deform_conv._ops.shared.function import script_pair
 
 OPS = ("dcnv3", "dcnv4", "flash_deform_attn")
 PUBLIC = {"dcnv3": deform_conv.dcnv3, "dcnv4": deform_conv.dcnv4, "flash_deform_attn": deform_conv.flash_deform_attn}
@@ -59,10 +60,6 @@ class Case:
 # ------------------------------------------------------------------------------------------------------ inputs
 
 
-def _pair(v) -> List[int]:
-    return [v, v] if isinstance(v, int) else list(v)
-
-
 def out_size(size, kernel, stride, padding, dilation) -> Tuple[int, int]:
     return tuple((size[i] + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1 for i in range(2))
 
@@ -84,7 +81,7 @@ def make_dcnv3(dtype=torch.float64, batch: int = 2, size=(7, 6), group: int = 3,
     """Input N(0, 1), offsets N(0, offset_std) pixels (some far out with far_fraction), mask N(0, 1) (any sign).
     Drawn in float64, then rounded once: the same values in every dtype."""
     g = torch.Generator().manual_seed(seed)
-    kernel, stride, padding, dilation = map(_pair, (kernel, stride, padding, dilation))
+    kernel, stride, padding, dilation = map(script_pair, (kernel, stride, padding, dilation))
     ho, wo = out_size(size, kernel, stride, padding, dilation)
     k = kernel[0] * kernel[1] - (1 if remove_center else 0)
     input = torch.randn(batch, *size, group * group_channels, dtype=torch.float64, generator=g)
