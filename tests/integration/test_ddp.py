@@ -73,4 +73,5 @@ def test_two_ddp_ranks_compile_once_and_train_like_one_process(tmp_path):
     for name, expected in model.state_dict().items():
         torch.testing.assert_close(states[0][name], expected, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
     # The offset/mask branch trained too (its gradient goes through the kernels' offset and mask backward).
-    assert not torch.equal(initial["0.conv_offset.weight"], states[0]["0.conv_offset.weight"])
+    for name in ("0.conv_offset.weight", "2.layer.offset.weight", "2.layer.mask.weight"):
+        assert not torch.equal(initial[name], states[0][name]), name

@@ -59,6 +59,20 @@ SampledLevels read_sum_levels(const SampledSumSizes& s, const at::Tensor& point_
   return t;
 }
 
+// Whether the levels that fit lie one after another from pixel 0, without overlap, to `pixels`: then every pixel
+// of value belongs to exactly one level.
+bool levels_tile_pixels(std::vector<SampledLevel> levels, int64_t pixels) {
+  std::sort(levels.begin(), levels.end(),
+            [](const SampledLevel& a, const SampledLevel& b) { return a.start < b.start; });
+  int64_t next = 0;
+  for (const SampledLevel& level : levels) {
+    if (!level.fits) continue;
+    if (level.start != next) return false;
+    next += level.height * level.width;
+  }
+  return next == pixels;
+}
+
 template <typename acc_t>
 BilinearSample<acc_t> sample_of(acc_t x, acc_t y, const SampledLevel& level) {
   if (!level.fits) {
@@ -317,8 +331,11 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_output, const
   const SampledSumSizes s = make_sampled_sum_sizes(value, points, point_levels, spatial_shapes, level_start_index);
   const SampledLevels t = read_sum_levels(s, point_levels, spatial_shapes, level_start_index);
   const at::Tensor v = value.contiguous(), pts = points.contiguous(), g = grad_output.contiguous();
-  // Pixels outside every level (none, where the ops' checks hold) keep a zero gradient.
-  at::Tensor grad_value = at::zeros(value.sizes(), value.options());
+  // Each task writes its level's pixels of value's gradient once; where the levels do not tile value's pixels
+  // (never, where the ops' checks hold), the pixels outside every level keep a zero gradient.
+  at::Tensor grad_value =
+      levels_tile_pixels(t.levels, s.pixels) ? at::empty(value.sizes(), value.options())
+                                             : at::zeros(value.sizes(), value.options());
   // Every element is written once (sum_backward_tasks): each point belongs to one level.
   at::Tensor grad_points = at::empty(pts.sizes(), pts.options());
   int64_t largest = 0;
