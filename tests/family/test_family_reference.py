@@ -156,8 +156,10 @@ def test_flash_deform_attn_is_softmax_then_ms_deform_attn(name):
 
 def test_points_read_in_place_equal_the_materialised_ones_bitwise():
     """The CPU forward reads each point in place from the offsets and mask (sampled_sum's grid_forward) where they
-    share one dtype, the points' or the input's; otherwise (here: float32 offsets beside a bfloat16 mask) it
-    materialises the points first (grid_points). The same values must give the same bits, for dcnv3 and dcnv4.
+    share one dtype, the points' or the input's (and beside the softmax's output, under dcnv4's softmax, where
+    offset_mask has the points' dtype); otherwise (here: float32 offsets beside a bfloat16 mask, and a bfloat16
+    offset_mask under the softmax) it materialises the points first (grid_points). The same values must give the
+    same bits, for dcnv3 and dcnv4.
     (The outputs are bfloat16: a difference of an ulp of float32 in a coordinate would mostly round away; what
     this catches is a point read from the wrong place or computed another way.)"""
     g = torch.Generator().manual_seed(0)
@@ -179,3 +181,34 @@ def test_points_read_in_place_equal_the_materialised_ones_bitwise():
     }
     for name, out in in_place.items():
         assert torch.equal(out, materialised), name
+    # Under dcnv4's softmax: float32 offset_mask in place beside the softmax's output; bfloat16 materialised.
+    assert torch.equal(deform_conv.dcnv4(x, offset_mask.float(), *geometry, False, True),
+                       deform_conv.dcnv4(x, offset_mask, *geometry, False, True))
+
+
+def test_flash_points_read_in_place_equal_the_materialised_ones_bitwise():
+    """The CPU forward of flash_deform_attn reads each point in place from sampling_loc_attn beside the softmax's
+    weights (sampled_sum's level_forward); ms_deform_attn with a bfloat16 value and float32 weights materialises
+    the same points first (level_points) and runs the same sums. The same values must give the same bits, with
+    the locations in float32 and in the value's bfloat16, NaN and infinite ones among them."""
+    g = torch.Generator().manual_seed(0)
+    n, lq, group, channels, n_points = 2, 7, 3, 5, 2
+    spatial_shapes = torch.tensor([[6, 5], [3, 4], [1, 2]])
+    level_start_index = torch.tensor([0, 30, 42])
+    levels, points = 3, 3 * n_points
+    value = torch.randn(n, 44, group, channels, generator=g).bfloat16()
+    locations = 1.4 * torch.rand(n, lq, group, points, 2, generator=g) - 0.2
+    locations[0, 0, 0, 0, 0] = float("nan")
+    locations[1, 2, 1, 3, 1] = float("inf")
+    logits = torch.randn(n, lq, group, points, generator=g)
+    for location_dtype in (torch.float32, torch.bfloat16):
+        loc = locations.to(location_dtype)
+        sampling_loc_attn = torch.cat([loc.flatten(3), logits.to(location_dtype)], -1)
+        in_place = deform_conv.flash_deform_attn(value, spatial_shapes, level_start_index, sampling_loc_attn,
+                                                 n_points)
+        materialised = deform_conv.ms_deform_attn(
+            value, spatial_shapes, level_start_index, loc.view(n, lq, group, levels, n_points, 2),
+            logits.to(location_dtype).float().softmax(-1).view(n, lq, group, levels, n_points))
+        assert torch.equal(in_place.isnan(), materialised.isnan()), location_dtype
+        assert torch.equal(in_place.nan_to_num(), materialised.nan_to_num()), location_dtype
+        assert in_place.isnan().any() and not in_place.isnan().all()

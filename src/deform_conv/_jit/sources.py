@@ -55,7 +55,12 @@ SIMULATION_LAYER = ("cuda_simulation/ops_sim.cpp", "cuda_simulation/simt.cpp")
 # generates for one loop (vector body, remainder, the copy taken when pointers may overlap) and not in others,
 # so which path runs -- decided by where the heap put a buffer -- changed the last bit of a result from one call
 # to the next.
-CXX_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
+# -fno-trapping-math: the kernels' loops that select on float comparisons are vectorised (and floor, and the
+# conversions of the sampling coordinates) only where floating-point operations are not assumed to trap; a
+# comparison with NaN raises an exception flag, which nothing here reads. It changes no value. As a flag of the
+# whole library, not a per-function attribute: GCC does not inline a function into one compiled with other
+# optimisation options, so an attribute would have to sit on every function of a kernel down to sampling.h's.
+CXX_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math")
 LD_FLAGS = ("-fopenmp", "-Wl,--as-needed")
 # No --use_fast_math: it changes results (division, denormals) and NaN handling. -Xptxas=-v: ptxas reports each
 # kernel's registers, stack frame and spills in build.log (the tests check that no kernel uses local memory).

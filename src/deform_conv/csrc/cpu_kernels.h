@@ -22,15 +22,6 @@
 #define DC_CPU_DISPATCH
 #endif
 
-// Compiled without trapping math: GCC then vectorises loops that select on float comparisons (a comparison with
-// NaN raises a floating-point exception flag, which nothing here reads). Needed on the loop's function and on
-// every DC_CPU_DISPATCH function it is inlined into.
-#if defined(__GNUC__) && !defined(__clang__)
-#define DC_VECTORIZE_COMPARISONS __attribute__((optimize("no-trapping-math")))
-#else
-#define DC_VECTORIZE_COMPARISONS
-#endif
-
 // `flatten` alone: every call inlined, for the compiler's baseline instruction set.
 #if defined(__GNUC__)
 #define DC_FLATTEN __attribute__((flatten))
@@ -44,15 +35,14 @@
 // same: no copy reorders any arithmetic). The kernel is written as the template `name##_body<scalar_t>(...)`;
 // DC_CPU_KERNEL(name) defines `name<scalar_t>(...)`. Its arguments are passed on by value (pointers, the small
 // parameter structs), so that a pointer passed as an lvalue and one computed in the call do not instantiate two
-// copies of the kernel. Every copy is compiled without trapping math (DC_VECTORIZE_COMPARISONS), as the sampling
-// passes' were: it changes no value.
+// copies of the kernel.
 #define DC_CPU_KERNEL(name)                                                                                  \
   template <typename scalar_t, typename... Args>                                                             \
-  DC_CPU_DISPATCH DC_VECTORIZE_COMPARISONS void name##_cloned(Args... args) {                                \
+  DC_CPU_DISPATCH void name##_cloned(Args... args) {                                                         \
     name##_body<scalar_t>(args...);                                                                          \
   }                                                                                                          \
   template <typename scalar_t, typename... Args>                                                             \
-  DC_FLATTEN DC_VECTORIZE_COMPARISONS void name##_once(Args... args) {                                       \
+  DC_FLATTEN void name##_once(Args... args) {                                                                \
     name##_body<scalar_t>(args...);                                                                          \
   }                                                                                                          \
   template <typename scalar_t, typename... Args>                                                             \

@@ -45,15 +45,22 @@ at::Tensor dcnv4_forward(const SampledSumKernels& kernels, const at::Tensor& inp
       checked_dcnv4(input, offset_mask, kernel_size, stride, padding, dilation, group, offset_scale, remove_center);
   const at::ScalarType dtype = point_dtype(input.scalar_type());
   const GridCall call = grid_call(g, input, group);
-  const bool in_place_type = offset_mask.scalar_type() == dtype || offset_mask.scalar_type() == input.scalar_type();
-  if (kernels.grid_forward != nullptr && !softmax && in_place_type) {
-    // The points read in place from offset_mask's blocks (the same points as grid_points', bitwise).
-    const int64_t k = g.points(), channels = offset_mask.size(3);
+  const auto [offsets, mask] = split(g, offset_mask, group);
+  // The points read in place from offset_mask's blocks, their weights too or, under the softmax, from its output
+  // beside them (the same points as grid_points', bitwise).
+  const int64_t k = g.points(), channels = offset_mask.size(3);
+  if (kernels.grid_forward != nullptr && !softmax &&
+      (offset_mask.scalar_type() == dtype || offset_mask.scalar_type() == input.scalar_type())) {
     const at::Tensor om = offset_mask.contiguous();
     const at::Tensor output = kernels.grid_forward(call.value, g, {channels, 3 * k, channels, 2 * k, 3 * k}, om, om);
     return output.view({input.size(0), g.out_height(), g.out_width(), input.size(3)});
   }
-  const auto [offsets, mask] = split(g, offset_mask, group);
+  if (kernels.grid_forward != nullptr && softmax && offset_mask.scalar_type() == dtype) {
+    const at::Tensor weights = softmax_weights(mask, dtype).contiguous();
+    const at::Tensor output = kernels.grid_forward(call.value, g, {channels, 3 * k, group * k, 0, k},
+                                                   offset_mask.contiguous(), weights);
+    return output.view({input.size(0), g.out_height(), g.out_width(), input.size(3)});
+  }
   const at::Tensor pts = grid_points(g, offsets, softmax ? softmax_weights(mask, dtype) : mask, dtype);
   const at::Tensor output =
       kernels.forward(call.value, pts, call.point_levels, call.spatial_shapes, call.level_start_index);

@@ -67,7 +67,17 @@ at::Tensor flash_deform_attn_forward(const SampledSumKernels& kernels, const at:
                                      const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
                                      const at::Tensor& sampling_loc_attn, int64_t n_points) {
   const FlashSizes s = checked_flash(value, spatial_shapes, level_start_index, sampling_loc_attn, n_points);
-  const FlashPoints p = flash_points(s, spatial_shapes, sampling_loc_attn, point_dtype(value.scalar_type()));
+  const at::ScalarType dtype = point_dtype(value.scalar_type());
+  if (kernels.level_forward != nullptr) {
+    // The points read in place from the locations, beside the softmax's weights (the same points as
+    // flash_points', bitwise).
+    const int64_t points = s.levels * s.points;
+    const at::Tensor weights = softmax_weights(sampling_loc_attn.narrow(3, 2 * points, points), dtype).contiguous();
+    const at::Tensor output = kernels.level_forward(value, spatial_shapes, level_start_index,
+                                                    sampling_loc_attn.contiguous(), weights, s.points);
+    return output.view({s.batch, s.queries, s.groups * s.channels});
+  }
+  const FlashPoints p = flash_points(s, spatial_shapes, sampling_loc_attn, dtype);
   const at::Tensor output = kernels.forward(value, p.points, point_levels(s.levels, s.points, value),
                                             spatial_shapes, level_start_index);
   return output.view({s.batch, s.queries, s.groups * s.channels});

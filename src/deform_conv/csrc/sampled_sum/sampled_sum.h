@@ -4,7 +4,7 @@
 // through a softmax; each op's host code (csrc/<op>/) computes the points in float32 (float64 for a float64
 // value) with ATen's operators (points.h), whatever the value's dtype, calls these kernels, and carries the
 // points' gradients back to its own arguments. So there is one CPU and one CUDA kernel for the whole family. (The
-// CPU's grid_forward, below, reads a grid's points from its offsets in place instead: the same points.)
+// CPU's grid_forward and level_forward, below, read the points in place instead: the same points.)
 //
 //   value        [N, S, G, D]     S = the pixels of all levels, one level after another
 //   points       [N, Q, G, K, 3]  (x, y, weight) of each point, x and y in the level's pixel coordinates
@@ -41,6 +41,13 @@ struct SampledSumKernels {
   // CPU's only (nullptr elsewhere: there the host code materialises the points).
   at::Tensor (*grid_forward)(const at::Tensor& value, const ConvGrid& grid, const GridLayout& layout,
                              const at::Tensor& offsets, const at::Tensor& weights);
+  // The forward on points in levels read in place from normalised locations (level_points' convention; any layout
+  // with point k's x and y at 2 * k and 2 * k + 1 of its group's block, `locations` contiguous [N, Q, G, block],
+  // of the points' dtype or the value's) and contiguous weights [N, Q, G, L * K] in the points' dtype, K =
+  // points_per_level: the same points, the same sums, bitwise. The CPU's only, as grid_forward.
+  at::Tensor (*level_forward)(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                              const at::Tensor& level_start_index, const at::Tensor& locations,
+                              const at::Tensor& weights, int64_t points_per_level);
 };
 
 namespace cpu {

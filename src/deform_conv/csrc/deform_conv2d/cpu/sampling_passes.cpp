@@ -109,9 +109,9 @@ struct BlockWalk {
 };
 
 template <typename scalar_t>
-DC_VECTORIZE_COMPARISONS void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
-                                                        int64_t first_image, int64_t row_begin, int64_t row_end,
-                                                        scalar_t* columns) {
+void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
+                    int64_t first_image, int64_t row_begin, int64_t row_end,
+                    scalar_t* columns) {
   const int64_t channels = p.in_channels, pixels = p.out_pixels(), per_group = p.in_channels_per_group();
   const int64_t row_size = p.taps() * channels;
   const bool masked = in.mask != nullptr;
@@ -143,10 +143,10 @@ DC_VECTORIZE_COMPARISONS void fill_rows_body(const ConvParams& p, const Sampling
 DC_CPU_KERNEL(fill_rows)
 
 template <typename scalar_t>
-DC_VECTORIZE_COMPARISONS void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
-                                                              int64_t first_image, int64_t row_begin, int64_t row_end,
-                                                              const scalar_t* grad_columns, scalar_t* grad_offset,
-                                                              scalar_t* grad_mask) {
+void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
+                          int64_t first_image, int64_t row_begin, int64_t row_end,
+                          const scalar_t* grad_columns, scalar_t* grad_offset,
+                          scalar_t* grad_mask) {
   const int64_t channels = p.in_channels, pixels = p.out_pixels(), per_group = p.in_channels_per_group();
   const int64_t row_size = p.taps() * channels;
   const bool masked = in.mask != nullptr;
@@ -198,10 +198,10 @@ DC_CPU_KERNEL(coordinate_rows)
 // Tasks are (image, block of channels) pairs: each owns the part of grad_input it writes. An element of grad_input
 // belongs to one offset group, and sums its terms output pixel by output pixel, tap by tap within a pixel.
 template <typename scalar_t>
-DC_VECTORIZE_COMPARISONS void input_grad_tasks_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
-                                                               int64_t first_image, int64_t blocks, int64_t task_begin,
-                                                               int64_t task_end, const scalar_t* grad_columns,
-                                                               scalar_t* grad_input) {
+void input_grad_tasks_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
+                           int64_t first_image, int64_t blocks, int64_t task_begin,
+                           int64_t task_end, const scalar_t* grad_columns,
+                           scalar_t* grad_input) {
   const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_offset_group = p.channels_per_offset_group();
   const int64_t row_size = p.taps() * channels, per_group = p.in_channels_per_group();
   const bool masked = in.mask != nullptr;

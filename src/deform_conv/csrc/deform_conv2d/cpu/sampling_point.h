@@ -161,8 +161,8 @@ struct PointBlock {
   scalar_t ly[kPointBlock], lx[kPointBlock];      // the distances to the top-left corner
 
   // Point b at (y_base[b] + dy[b], x_base[b] + dx[b]), b < len. (The conditions are 32-bit masks, not bools,
-  // and the function is compiled without trapping math: GCC vectorises the loop only then.)
-  DC_VECTORIZE_COMPARISONS void compute(int64_t len, const int32_t* __restrict y_base,
+  // and the library is compiled without trapping math, _jit/sources.py: GCC vectorises the loop only then.)
+  void compute(int64_t len, const int32_t* __restrict y_base,
                                         const int32_t* __restrict x_base, const scalar_t* __restrict dy,
                                         const scalar_t* __restrict dx, int64_t height, int64_t width) {
     const int32_t h = static_cast<int32_t>(height), w = static_cast<int32_t>(width);

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "../../cpu_kernels.h"
@@ -41,16 +42,22 @@ struct SampledLevels {
   std::vector<int64_t> of_point;  // [points]
 };
 
-SampledLevels read_sum_levels(const SampledSumSizes& s, const at::Tensor& point_levels,
-                              const at::Tensor& spatial_shapes, const at::Tensor& level_start_index) {
+std::vector<SampledLevel> read_levels(const SampledSumSizes& s, const at::Tensor& spatial_shapes,
+                                      const at::Tensor& level_start_index) {
   const at::Tensor shapes = spatial_shapes.contiguous(), starts = level_start_index.contiguous();
-  const at::Tensor of_point = point_levels.contiguous();
-  SampledLevels t;
   const int64_t* hw = shapes.const_data_ptr<int64_t>();
   const int64_t* start = starts.const_data_ptr<int64_t>();
+  std::vector<SampledLevel> levels;
   for (int64_t l = 0; l < s.levels; ++l) {
-    t.levels.push_back({hw[2 * l], hw[2 * l + 1], start[l], level_fits(start[l], hw[2 * l], hw[2 * l + 1], s.pixels)});
+    levels.push_back({hw[2 * l], hw[2 * l + 1], start[l], level_fits(start[l], hw[2 * l], hw[2 * l + 1], s.pixels)});
   }
+  return levels;
+}
+
+SampledLevels read_sum_levels(const SampledSumSizes& s, const at::Tensor& point_levels,
+                              const at::Tensor& spatial_shapes, const at::Tensor& level_start_index) {
+  const at::Tensor of_point = point_levels.contiguous();
+  SampledLevels t{read_levels(s, spatial_shapes, level_start_index), {}};
   const int64_t* level = of_point.const_data_ptr<int64_t>();
   for (int64_t k = 0; k < s.points; ++k) {
     TORCH_INTERNAL_ASSERT(level[k] >= 0 && level[k] < s.levels, "sampled_sum: a point's level out of range");
@@ -83,26 +90,21 @@ BilinearSample<acc_t> sample_of(acc_t x, acc_t y, const SampledLevel& level) {
   return bilinear_sample(y, x, level.height, level.width);
 }
 
-template <typename acc_t>
-struct PointXYW {
-  acc_t x, y, weight;
-};
-
-// Where the forward reads a point: from the points tensor [N, Q, G, K, 3] ...
+// Where the forward reads a row's points (all G * K of one (image, query), point i = g * K + k) into x, y and
+// weight: from the points tensor [N, Q, G, K, 3] ...
 template <typename acc_t>
 struct StoredPoints {
   const acc_t* data;
   int64_t groups, points;
 
-  struct Row {
-    const acc_t* base;  // [G, K, 3]
-    int64_t points;
-    PointXYW<acc_t> at(int64_t g, int64_t k) const {
-      const acc_t* p = base + 3 * (g * points + k);
-      return {p[0], p[1], p[2]};
+  void read_row(int64_t row, acc_t* __restrict__ x, acc_t* __restrict__ y, acc_t* __restrict__ weight) const {
+    const acc_t* p = data + 3 * row * groups * points;
+    for (int64_t i = 0; i < groups * points; ++i) {
+      x[i] = p[3 * i];
+      y[i] = p[3 * i + 1];
+      weight[i] = p[3 * i + 2];
     }
-  };
-  Row row(int64_t row) const { return {data + 3 * row * groups * points, points}; }
+  }
 };
 
 // ... or, on a grid, from its offsets and weights (of type offset_t: acc_t, or a half value's own type) in place,
@@ -114,70 +116,184 @@ struct GridPointReader {
   const acc_t *base_x, *base_y, *tap_x, *tap_y;
   GridLayout layout;
   acc_t scale;
-  int64_t out_height, out_width;
+  int64_t groups, points, out_height, out_width;
 
-  struct Row {
-    const offset_t *offsets, *weights;
-    const acc_t *tap_x, *tap_y;
-    acc_t base_x, base_y, scale;
-    int64_t offset_group, weight_group;
-    PointXYW<acc_t> at(int64_t g, int64_t k) const {
-      const offset_t* offset = offsets + g * offset_group + 2 * k;
-      return {base_x + (tap_x[k] + static_cast<acc_t>(offset[0])) * scale,
-              base_y + (tap_y[k] + static_cast<acc_t>(offset[1])) * scale,
-              static_cast<acc_t>(weights[g * weight_group + k])};
-    }
-  };
-  Row row(int64_t row) const {  // row = n * H_out * W_out + output pixel
+  void read_row(int64_t row, acc_t* __restrict__ x, acc_t* __restrict__ y, acc_t* __restrict__ weight) const {
     const int64_t pixel = row % (out_height * out_width), oy = pixel / out_width, ox = pixel % out_width;
-    return {offsets + row * layout.offset_row, weights + row * layout.weight_row + layout.weight_start, tap_x, tap_y,
-            base_x[ox], base_y[oy], scale, layout.offset_group, layout.weight_group};
+    const acc_t bx = base_x[ox], by = base_y[oy];
+    const offset_t* row_offsets = offsets + row * layout.offset_row;
+    const offset_t* row_weights = weights + row * layout.weight_row + layout.weight_start;
+    for (int64_t g = 0; g < groups; ++g) {
+      const offset_t* offset = row_offsets + g * layout.offset_group;
+      const offset_t* w = row_weights + g * layout.weight_group;
+      acc_t *gx = x + g * points, *gy = y + g * points, *gw = weight + g * points;
+      for (int64_t k = 0; k < points; ++k) {
+        gx[k] = bx + (tap_x[k] + static_cast<acc_t>(offset[2 * k])) * scale;
+        gy[k] = by + (tap_y[k] + static_cast<acc_t>(offset[2 * k + 1])) * scale;
+        gw[k] = static_cast<acc_t>(w[k]);
+      }
+    }
+  }
+};
+
+// ... or, in levels, from normalised locations (of type location_t: acc_t, or a half value's own type) and the
+// weights in place, computed as level_points (points.cpp) computes them: location * size - 0.5 in acc_t, so the
+// same bits. Point k's x and y are at 2 * k and 2 * k + 1 of its group's block of `location_group` elements (a
+// row holds G blocks); its weight at k of its group's K in `weights` [rows, G, K].
+template <typename acc_t, typename location_t>
+struct LevelPointReader {
+  const location_t* locations;
+  const acc_t *weights, *widths, *heights;  // widths and heights: of each point's level, [K]
+  int64_t groups, points, location_group;
+
+  void read_row(int64_t row, acc_t* __restrict__ x, acc_t* __restrict__ y, acc_t* __restrict__ weight) const {
+    const location_t* row_locations = locations + row * groups * location_group;
+    const acc_t* row_weights = weights + row * groups * points;
+    for (int64_t g = 0; g < groups; ++g) {
+      const location_t* location = row_locations + g * location_group;
+      acc_t *gx = x + g * points, *gy = y + g * points, *gw = weight + g * points;
+      for (int64_t k = 0; k < points; ++k) {
+        gx[k] = static_cast<acc_t>(location[2 * k]) * widths[k] - acc_t(0.5);
+        gy[k] = static_cast<acc_t>(location[2 * k + 1]) * heights[k] - acc_t(0.5);
+        gw[k] = row_weights[g * points + k];
+      }
+    }
   }
 };
 
 // About this many sampling points (times D channels) a task: enough to outweigh a task's cost.
 constexpr int64_t kSumPointsPerTask = 2048;
 
-// Output rows (image, query) [begin, end). `sum` holds D values.
+// The forward's per-row scratch, over the row's G * K points: the points, and for each point whose four
+// neighbours lie in its level and whose weight is finite (an interior point), its top-left neighbour and the
+// weight times each neighbour's bilinear weight. Computed for all the row's points at once, in loops the compiler
+// vectorises across points: a point's own arithmetic, not its D channels, is most of the forward's work when D is
+// small (16 in every InternImage layer).
+template <typename acc_t>
+struct RowScratch {
+  std::vector<acc_t> sum, sample, x, y, weight, c0, c1, c2, c3;
+  std::vector<int32_t> x0, y0, interior;
+  RowScratch(int64_t channels, int64_t row_points)
+      : sum(channels), sample(channels), x(row_points), y(row_points), weight(row_points), c0(row_points),
+        c1(row_points), c2(row_points), c3(row_points), x0(row_points), y0(row_points), interior(row_points) {}
+};
+
+// The largest x (y) of an interior point is below width - 1 (height - 1) of its level; per point i = g * K + k.
+// A level that does not fit, or whose sides are too long to be exact in acc_t and int32, has no interior points
+// (limit 0): its points take the general path.
+template <typename acc_t>
+struct InteriorLimits {
+  std::vector<acc_t> x, y;
+};
+
+template <typename acc_t>
+InteriorLimits<acc_t> interior_limits(const SampledSumSizes& s, const SampledLevel* levels,
+                                      const int64_t* level_of_point) {
+  constexpr int64_t exact = int64_t(1) << 24;
+  InteriorLimits<acc_t> limits{std::vector<acc_t>(s.groups * s.points), std::vector<acc_t>(s.groups * s.points)};
+  for (int64_t g = 0; g < s.groups; ++g) {
+    for (int64_t k = 0; k < s.points; ++k) {
+      const SampledLevel& level = levels[level_of_point[k]];
+      const bool usable = level.fits && level.height < exact && level.width < exact;
+      limits.x[g * s.points + k] = usable ? static_cast<acc_t>(level.width - 1) : acc_t(0);
+      limits.y[g * s.points + k] = usable ? static_cast<acc_t>(level.height - 1) : acc_t(0);
+    }
+  }
+  return limits;
+}
+
+// For every point of the row (read into r.x, r.y, r.weight): whether it is interior, and if so its neighbours'
+// coefficients, computed as bilinear_point's weights times the point's weight: the same operations, the same bits.
+template <typename acc_t>
+void prepare_row(int64_t row_points, const acc_t* __restrict__ limit_x,
+                 const acc_t* __restrict__ limit_y, RowScratch<acc_t>& r) {
+  const acc_t *__restrict__ xs = r.x.data(), *__restrict__ ys = r.y.data(), *__restrict__ ws = r.weight.data();
+  acc_t *__restrict__ c0 = r.c0.data(), *__restrict__ c1 = r.c1.data(), *__restrict__ c2 = r.c2.data(),
+        *__restrict__ c3 = r.c3.data();
+  int32_t *__restrict__ x0 = r.x0.data(), *__restrict__ y0 = r.y0.data(), *__restrict__ interior = r.interior.data();
+#pragma omp simd
+  for (int64_t i = 0; i < row_points; ++i) {
+    const acc_t x = xs[i], y = ys[i], w = ws[i];
+    // False for NaN; floor(y) >= 0 and floor(y) + 1 < height, i.e. 0 <= y < height - 1, and likewise x.
+    const bool inside = (y >= acc_t(0)) & (y < limit_y[i]) & (x >= acc_t(0)) & (x < limit_x[i]) &
+                        (std::abs(w) <= std::numeric_limits<acc_t>::max());
+    // An interior point's coordinates are >= 0 and below 2^24: truncation is its floor, exactly.
+    const int32_t top = static_cast<int32_t>(inside ? y : acc_t(0)), left = static_cast<int32_t>(inside ? x : acc_t(0));
+    const acc_t ly = y - static_cast<acc_t>(top), lx = x - static_cast<acc_t>(left);
+    const acc_t hy = acc_t(1) - ly, hx = acc_t(1) - lx;
+    c0[i] = w * (hy * hx);
+    c1[i] = w * (hy * lx);
+    c2[i] = w * (ly * hx);
+    c3[i] = w * (ly * lx);
+    y0[i] = top;
+    x0[i] = left;
+    interior[i] = inside;
+  }
+}
+
+// Output rows (image, query) [begin, end).
 template <typename scalar_t, typename Points>
 void sum_rows_body(const SampledSumSizes& s, const SampledLevel* levels, const int64_t* level_of_point,
+                   const at::opmath_type<scalar_t>* limit_x, const at::opmath_type<scalar_t>* limit_y,
                    const scalar_t* value, Points points, scalar_t* output, int64_t begin, int64_t end,
-                   at::opmath_type<scalar_t>* __restrict__ sum) {
+                   RowScratch<at::opmath_type<scalar_t>>* scratch) {
   using acc_t = at::opmath_type<scalar_t>;
+  RowScratch<acc_t>& r = *scratch;
+  acc_t* __restrict__ sum = r.sum.data();
+  acc_t* __restrict__ sample = r.sample.data();
   const int64_t channels = s.channels, pixel_stride = s.groups * s.channels;
   for (int64_t row = begin; row < end; ++row) {
     const int64_t n = row / s.queries, q = row % s.queries;
-    const typename Points::Row points_of_row = points.row(row);
+    points.read_row(row, r.x.data(), r.y.data(), r.weight.data());
+    prepare_row(s.groups * s.points, limit_x, limit_y, r);
     for (int64_t g = 0; g < s.groups; ++g) {
       for (int64_t d = 0; d < channels; ++d) sum[d] = 0;
       for (int64_t k = 0; k < s.points; ++k) {
-        const PointXYW<acc_t> point = points_of_row.at(g, k);
+        const int64_t i = g * s.points + k;
         const SampledLevel& level = levels[level_of_point[k]];
-        const BilinearSample<acc_t> b = sample_of(point.x, point.y, level);
-        const acc_t w = point.weight;
         const scalar_t* image = value + s.value_index(n, level.fits ? level.start : 0, g);
-        if (b.count == 4 && std::isfinite(w)) {
+        if (r.interior[i]) {
           // All four neighbours in the level, a finite weight: one pass, the weight folded into the bilinear
           // weights. (Elsewhere the sample is formed first, so that an infinite weight times a sample of 0 is NaN.)
-          const scalar_t* __restrict__ v0 = image + b.pixel[0] * pixel_stride;
-          const scalar_t* __restrict__ v1 = image + b.pixel[1] * pixel_stride;
-          const scalar_t* __restrict__ v2 = image + b.pixel[2] * pixel_stride;
-          const scalar_t* __restrict__ v3 = image + b.pixel[3] * pixel_stride;
-          const acc_t c0 = w * b.weight[0], c1 = w * b.weight[1], c2 = w * b.weight[2], c3 = w * b.weight[3];
+          const scalar_t* __restrict__ v0 = image + (int64_t(r.y0[i]) * level.width + r.x0[i]) * pixel_stride;
+          const scalar_t* __restrict__ v1 = v0 + pixel_stride;
+          const scalar_t* __restrict__ v2 = v0 + level.width * pixel_stride;
+          const scalar_t* __restrict__ v3 = v2 + pixel_stride;
+          const acc_t c0 = r.c0[i], c1 = r.c1[i], c2 = r.c2[i], c3 = r.c3[i];
+          // sum is the task's scratch, never one of the value's pixels: no need to check that they overlap.
+#pragma omp simd
           for (int64_t d = 0; d < channels; ++d) {
             sum[d] += c0 * static_cast<acc_t>(v0[d]) + c1 * static_cast<acc_t>(v1[d]) +
                       c2 * static_cast<acc_t>(v2[d]) + c3 * static_cast<acc_t>(v3[d]);
           }
           continue;
         }
-        const acc_t start = sum_start(b);
-        for (int64_t d = 0; d < channels; ++d) {
-          acc_t sample = start;
-          for (int c = 0; c < b.count; ++c) {
-            sample += b.weight[c] * static_cast<acc_t>(image[b.pixel[c] * pixel_stride + d]);
+        const BilinearSample<acc_t> b = sample_of(r.x[i], r.y[i], level);
+        const acc_t w = r.weight[i];
+        if (b.count == 4 && std::isfinite(w)) {  // interior, in a level too large for the prepared path
+          const acc_t c[4] = {w * b.weight[0], w * b.weight[1], w * b.weight[2], w * b.weight[3]};
+          const scalar_t* __restrict__ v0 = image + b.pixel[0] * pixel_stride;
+          const scalar_t* __restrict__ v1 = image + b.pixel[1] * pixel_stride;
+          const scalar_t* __restrict__ v2 = image + b.pixel[2] * pixel_stride;
+          const scalar_t* __restrict__ v3 = image + b.pixel[3] * pixel_stride;
+          for (int64_t d = 0; d < channels; ++d) {
+            sum[d] += c[0] * static_cast<acc_t>(v0[d]) + c[1] * static_cast<acc_t>(v1[d]) +
+                      c[2] * static_cast<acc_t>(v2[d]) + c[3] * static_cast<acc_t>(v3[d]);
           }
-          sum[d] += w * sample;
+          continue;
         }
+        // Per channel: the sample from start and the neighbours in order, then times the weight, as a loop over
+        // channels for each neighbour.
+        const acc_t start = sum_start(b);
+        for (int64_t d = 0; d < channels; ++d) sample[d] = start;
+        for (int c = 0; c < b.count; ++c) {
+          const scalar_t* __restrict__ v = image + b.pixel[c] * pixel_stride;
+          const acc_t weight = b.weight[c];
+#pragma omp simd
+          for (int64_t d = 0; d < channels; ++d) sample[d] += weight * static_cast<acc_t>(v[d]);
+        }
+#pragma omp simd
+        for (int64_t d = 0; d < channels; ++d) sum[d] += w * sample[d];
       }
       scalar_t* out = output + s.output_index(n, q, g);
       for (int64_t d = 0; d < channels; ++d) out[d] = static_cast<scalar_t>(sum[d]);
@@ -264,9 +380,11 @@ at::Tensor forward(const at::Tensor& value, const at::Tensor& points, const at::
     const acc_t* point_data = pts.const_data_ptr<acc_t>();
     scalar_t* out = output.mutable_data_ptr<scalar_t>();
     const StoredPoints<acc_t> stored{point_data, s.groups, s.points};
+    const InteriorLimits<acc_t> limits = interior_limits<acc_t>(s, t.levels.data(), t.of_point.data());
     at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> sum(s.channels);
-      sum_rows<scalar_t>(s, t.levels.data(), t.of_point.data(), value_data, stored, out, begin, end, sum.data());
+      RowScratch<acc_t> scratch(s.channels, s.groups * s.points);
+      sum_rows<scalar_t>(s, t.levels.data(), t.of_point.data(), limits.x.data(), limits.y.data(), value_data,
+                         stored, out, begin, end, &scratch);
     });
   });
   return output;
@@ -301,23 +419,79 @@ at::Tensor grid_forward(const at::Tensor& value, const ConvGrid& grid, const Gri
     };
     const std::vector<acc_t> base_x = in_acc(tables.base_x), base_y = in_acc(tables.base_y);
     const std::vector<acc_t> tap_x = in_acc(tables.tap_x), tap_y = in_acc(tables.tap_y);
+    const InteriorLimits<acc_t> limits = interior_limits<acc_t>(s, levels.data(), level_of_point.data());
     const scalar_t* value_data = v.const_data_ptr<scalar_t>();
     scalar_t* out = output.mutable_data_ptr<scalar_t>();
     const auto run = [&](auto offsets_of_type) {
       using offset_t = decltype(offsets_of_type);
       const GridPointReader<acc_t, offset_t> reader{
           offsets.const_data_ptr<offset_t>(), weights.const_data_ptr<offset_t>(), base_x.data(), base_y.data(),
-          tap_x.data(), tap_y.data(), layout, static_cast<acc_t>(grid.offset_scale), grid.out_height(),
-          grid.out_width()};
+          tap_x.data(), tap_y.data(), layout, static_cast<acc_t>(grid.offset_scale), s.groups, s.points,
+          grid.out_height(), grid.out_width()};
       at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
-        std::vector<acc_t> sum(s.channels);
-        sum_rows<scalar_t>(s, levels.data(), level_of_point.data(), value_data, reader, out, begin, end, sum.data());
+        RowScratch<acc_t> scratch(s.channels, s.groups * s.points);
+        sum_rows<scalar_t>(s, levels.data(), level_of_point.data(), limits.x.data(), limits.y.data(), value_data,
+                           reader, out, begin, end, &scratch);
       });
     };
     if (offsets.scalar_type() == point_dtype(value.scalar_type())) {
       run(acc_t(0));
     } else if constexpr (!std::is_same_v<scalar_t, acc_t>) {
       run(scalar_t(0));  // a half value's offsets in its own type, widened exactly as they are read
+    }
+  });
+  return output;
+}
+
+at::Tensor level_forward(const at::Tensor& value, const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+                         const at::Tensor& locations, const at::Tensor& weights, int64_t points_per_level) {
+  follow_torch_thread_count();
+  TORCH_INTERNAL_ASSERT(value.dim() == 4 && locations.dim() == 4 && weights.dim() == 4 && locations.is_contiguous() &&
+                            weights.is_contiguous() && weights.scalar_type() == point_dtype(value.scalar_type()) &&
+                            (locations.scalar_type() == weights.scalar_type() ||
+                             locations.scalar_type() == value.scalar_type()) &&
+                            points_per_level >= 1 && weights.size(3) == spatial_shapes.size(0) * points_per_level &&
+                            locations.size(3) >= 2 * weights.size(3),
+                        "sampled_sum level_forward: bad arguments");
+  SampledSumSizes s{};
+  s.batch = value.size(0);
+  s.pixels = value.size(1);
+  s.groups = value.size(2);
+  s.channels = value.size(3);
+  s.queries = weights.size(1);
+  s.points = weights.size(3);
+  s.levels = spatial_shapes.size(0);
+  const std::vector<SampledLevel> levels = read_levels(s, spatial_shapes, level_start_index);
+  std::vector<int64_t> level_of_point;
+  for (int64_t k = 0; k < s.points; ++k) level_of_point.push_back(k / points_per_level);
+  const at::Tensor v = value.contiguous();
+  at::Tensor output = at::empty({s.batch, s.queries, s.groups, s.channels}, value.options());
+  const int64_t grain = std::max<int64_t>(1, kSumPointsPerTask / std::max<int64_t>(1, s.groups * s.points));
+  SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_level_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    std::vector<acc_t> widths, heights;  // as level_points' per-point sizes: the int64 sizes rounded to acc_t
+    for (int64_t k = 0; k < s.points; ++k) {
+      widths.push_back(static_cast<acc_t>(levels[level_of_point[k]].width));
+      heights.push_back(static_cast<acc_t>(levels[level_of_point[k]].height));
+    }
+    const InteriorLimits<acc_t> limits = interior_limits<acc_t>(s, levels.data(), level_of_point.data());
+    const scalar_t* value_data = v.const_data_ptr<scalar_t>();
+    scalar_t* out = output.mutable_data_ptr<scalar_t>();
+    const auto run = [&](auto locations_of_type) {
+      using location_t = decltype(locations_of_type);
+      const LevelPointReader<acc_t, location_t> reader{locations.const_data_ptr<location_t>(),
+                                                       weights.const_data_ptr<acc_t>(), widths.data(),
+                                                       heights.data(), s.groups, s.points, locations.size(3)};
+      at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
+        RowScratch<acc_t> scratch(s.channels, s.groups * s.points);
+        sum_rows<scalar_t>(s, levels.data(), level_of_point.data(), limits.x.data(), limits.y.data(), value_data,
+                           reader, out, begin, end, &scratch);
+      });
+    };
+    if (locations.scalar_type() == weights.scalar_type()) {
+      run(acc_t(0));
+    } else if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+      run(scalar_t(0));  // a half value's locations in its own type, widened exactly as they are read
     }
   });
   return output;
@@ -361,7 +535,7 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_output, const
 }  // namespace
 
 const SampledSumKernels& sampled_sum_kernels() {
-  static const SampledSumKernels kernels{forward, backward, grid_forward};
+  static const SampledSumKernels kernels{forward, backward, grid_forward, level_forward};
   return kernels;
 }
 
