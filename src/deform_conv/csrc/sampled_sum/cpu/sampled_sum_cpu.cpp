@@ -178,9 +178,23 @@ struct RowScratch {
         c1(row_points), c2(row_points), c3(row_points), x0(row_points), y0(row_points), interior(row_points) {}
 };
 
-// The largest x (y) of an interior point is below width - 1 (height - 1) of its level; per point i = g * K + k.
-// A level that does not fit, or whose sides are too long to be exact in acc_t and int32, has no interior points
-// (limit 0): its points take the general path.
+// The largest x (y) of an interior point is below width - 1 (height - 1) of its level. A level that does not fit,
+// or whose sides are too long to be exact in acc_t and int32, has no interior points (limit 0): its points take
+// the general path.
+template <typename acc_t>
+struct LevelInteriorLimits {
+  acc_t x, y;
+};
+
+template <typename acc_t>
+LevelInteriorLimits<acc_t> interior_limits(const SampledLevel& level) {
+  constexpr int64_t exact = int64_t(1) << 24;
+  const bool usable = level.fits && level.height < exact && level.width < exact;
+  return {usable ? static_cast<acc_t>(level.width - 1) : acc_t(0),
+          usable ? static_cast<acc_t>(level.height - 1) : acc_t(0)};
+}
+
+// The same for each point i = g * K + k of a row (the forward's).
 template <typename acc_t>
 struct InteriorLimits {
   std::vector<acc_t> x, y;
@@ -189,14 +203,12 @@ struct InteriorLimits {
 template <typename acc_t>
 InteriorLimits<acc_t> interior_limits(const SampledSumSizes& s, const SampledLevel* levels,
                                       const int64_t* level_of_point) {
-  constexpr int64_t exact = int64_t(1) << 24;
-  InteriorLimits<acc_t> limits{std::vector<acc_t>(s.groups * s.points), std::vector<acc_t>(s.groups * s.points)};
+  InteriorLimits<acc_t> limits;
   for (int64_t g = 0; g < s.groups; ++g) {
     for (int64_t k = 0; k < s.points; ++k) {
-      const SampledLevel& level = levels[level_of_point[k]];
-      const bool usable = level.fits && level.height < exact && level.width < exact;
-      limits.x[g * s.points + k] = usable ? static_cast<acc_t>(level.width - 1) : acc_t(0);
-      limits.y[g * s.points + k] = usable ? static_cast<acc_t>(level.height - 1) : acc_t(0);
+      const LevelInteriorLimits<acc_t> level = interior_limits<acc_t>(levels[level_of_point[k]]);
+      limits.x.push_back(level.x);
+      limits.y.push_back(level.y);
     }
   }
   return limits;
@@ -302,6 +314,48 @@ void sum_rows_body(const SampledSumSizes& s, const SampledLevel* levels, const i
 }
 DC_CPU_KERNEL(sum_rows)
 
+// grad . v over D channels, returned, and gv += weight * grad. The products are summed in vector partial sums,
+// added in an order fixed for each instruction set: the same bits for any thread count.
+template <typename scalar_t, typename acc_t>
+inline acc_t dot_and_scatter(const acc_t* __restrict__ grad, const scalar_t* __restrict__ v, acc_t* __restrict__ gv,
+                             acc_t weight, int64_t channels) {
+  acc_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < channels; ++d) {
+    sum += grad[d] * static_cast<acc_t>(v[d]);
+    gv[d] += weight * grad[d];
+  }
+  return sum;
+}
+
+// The backward of a point whose four neighbours lie in its level (interior_limits), as the general path below
+// computes it for such a point (bilinear_point's weights and derivatives, the neighbours in order), without
+// forming its BilinearSample.
+template <typename scalar_t, typename acc_t>
+inline void sum_backward_interior(acc_t x, acc_t y, acc_t w, int64_t width, const scalar_t* image,
+                                  int64_t pixel_stride, int64_t channels, const acc_t* __restrict__ grad,
+                                  acc_t* __restrict__ grad_slice, acc_t* grad_point) {
+  const int64_t top = static_cast<int64_t>(y), left = static_cast<int64_t>(x);  // floor: both are >= 0
+  const acc_t ly = y - static_cast<acc_t>(top), lx = x - static_cast<acc_t>(left);
+  const acc_t hy = acc_t(1) - ly, hx = acc_t(1) - lx;
+  const int64_t first = top * width + left;
+  const int64_t pixel[4] = {first, first + 1, first + width, first + width + 1};
+  const acc_t weight[4] = {hy * hx, hy * lx, ly * hx, ly * lx};
+  const acc_t weight_dy[4] = {-hx, -lx, hx, lx};
+  const acc_t weight_dx[4] = {-hy, hy, -ly, ly};
+  acc_t grad_w = 0, grad_x = 0, grad_y = 0;
+  for (int c = 0; c < 4; ++c) {
+    const acc_t dot = dot_and_scatter(grad, image + pixel[c] * pixel_stride, grad_slice + pixel[c] * channels,
+                                      w * weight[c], channels);
+    grad_w += weight[c] * dot;
+    grad_x += weight_dx[c] * dot;
+    grad_y += weight_dy[c] * dot;
+  }
+  grad_point[0] = w * grad_x;
+  grad_point[1] = w * grad_y;
+  grad_point[2] = grad_w;
+}
+
 // Tasks (image, group, level) [begin, end): the task's slice of value's gradient is summed in `grad_slice` (the
 // accumulation type) and written once, rounded. `grad` holds D values, `grad_slice` the largest level's pixels * D.
 template <typename scalar_t>
@@ -318,30 +372,26 @@ void sum_backward_tasks_body(const SampledSumSizes& s, const SampledLevel* level
     const scalar_t* image = value + s.value_index(n, level.fits ? level.start : 0, g);
     const int64_t slice = level.fits ? level.height * level.width * channels : 0;
     for (int64_t i = 0; i < slice; ++i) grad_slice[i] = 0;
+    const LevelInteriorLimits<acc_t> limits = interior_limits<acc_t>(level);
     for (int64_t q = 0; q < s.queries; ++q) {
       const scalar_t* go = grad_output + s.output_index(n, q, g);
       for (int64_t d = 0; d < channels; ++d) grad[d] = static_cast<acc_t>(go[d]);
       for (int64_t k = 0; k < s.points; ++k) {
         if (level_of_point[k] != l) continue;
         const int64_t point = s.point_index(n, q, g, k);
-        const BilinearSample<acc_t> b = sample_of(points[3 * point], points[3 * point + 1], level);
-        const acc_t w = points[3 * point + 2];
+        const acc_t x = points[3 * point], y = points[3 * point + 1], w = points[3 * point + 2];
+        if ((y >= acc_t(0)) & (y < limits.y) & (x >= acc_t(0)) & (x < limits.x)) {
+          sum_backward_interior(x, y, w, level.width, image, pixel_stride, channels, grad, grad_slice,
+                                grad_points + 3 * point);
+          continue;
+        }
+        const BilinearSample<acc_t> b = sample_of(x, y, level);
         // dot[c] = grad . neighbour c; d loss / d (the sample), d x and d y are sums over the neighbours of (its
         // weight, or the weight's derivative) * dot[c].
         acc_t dot[4] = {0, 0, 0, 0};
         for (int c = 0; c < b.count; ++c) {
-          const scalar_t* __restrict__ v = image + b.pixel[c] * pixel_stride;
-          acc_t* __restrict__ gv = grad_slice + b.pixel[c] * channels;
-          const acc_t weight = w * b.weight[c];
-          acc_t sum = 0;
-          // Vector partial sums, added in an order fixed for each instruction set: the same bits for any thread
-          // count.
-#pragma omp simd reduction(+ : sum)
-          for (int64_t d = 0; d < channels; ++d) {
-            sum += grad[d] * static_cast<acc_t>(v[d]);
-            gv[d] += weight * grad[d];
-          }
-          dot[c] = sum;
+          dot[c] = dot_and_scatter(grad, image + b.pixel[c] * pixel_stride, grad_slice + b.pixel[c] * channels,
+                                   w * b.weight[c], channels);
         }
         acc_t grad_w = sum_start(b), grad_x = sum_start(b), grad_y = sum_start(b);
         for (int c = 0; c < b.count; ++c) {
