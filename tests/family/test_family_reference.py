@@ -186,6 +186,48 @@ def test_points_read_in_place_equal_the_materialised_ones_bitwise():
                        deform_conv.dcnv4(x, offset_mask, *geometry, False, True))
 
 
+def test_gradients_of_points_read_in_place_equal_the_materialised_ones_bitwise():
+    """The CPU backward too reads the points in place and writes their gradients into the offsets' and the mask's
+    layouts (sampled_sum's grid_backward) where the forward reads them in place; otherwise it materialises the
+    points and carries their gradients back (grid_points_backward). The same values must give the same bits:
+    float32 offsets and mask (in place) against float32 offsets beside a bfloat16 mask (materialised), and dcnv4's
+    offset_mask in place against the same through dcnv3, padding included."""
+    g = torch.Generator().manual_seed(1)
+    n, h, w, group, channels, kernel, stride, padding, dilation = 2, 9, 8, 3, 5, (3, 2), (2, 1), (1, 0), (2, 1)
+    k = kernel[0] * kernel[1]
+    ho, wo = (h + 2 * padding[0] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1, w - 1
+    x = torch.randn(n, h, w, group * channels, generator=g).bfloat16()
+    offset = 3 * torch.randn(n, ho, wo, group * k * 2, generator=g)
+    offset[0, 0, 0, :3] = torch.tensor([float("nan"), float("inf"), -1.0])  # NaN, outside, on the border
+    mask = torch.rand(n, ho, wo, group * k, generator=g).bfloat16()
+    grad_output = torch.randn(n, ho, wo, group * channels, generator=g).bfloat16()
+    geometry = (kernel, stride, padding, dilation, group, 1.7)
+
+    def same(actual, expected):  # bitwise, NaN where NaN
+        assert actual.dtype == expected.dtype and torch.equal(actual.isnan(), expected.isnan())
+        assert torch.equal(actual.nan_to_num(), expected.nan_to_num())
+
+    def gradients(op, *tensors):
+        tensors = [t.detach().clone().requires_grad_() for t in tensors]
+        op(*tensors, *geometry).backward(grad_output)
+        return [t.grad for t in tensors]
+
+    gx, goffset, gmask = gradients(deform_conv.dcnv3, x, offset, mask)  # materialised: a bfloat16 mask
+    in_place = gradients(deform_conv.dcnv3, x, offset, mask.float())
+    assert in_place[2].dtype == torch.float32 and gmask.dtype == torch.bfloat16
+    same(in_place[0], gx)
+    same(in_place[1], goffset)
+    same(in_place[2].bfloat16(), gmask)
+    blocks = torch.cat([offset.view(n, ho, wo, group, 2 * k), mask.float().view(n, ho, wo, group, k)], -1)
+    offset_mask = torch.cat([blocks.flatten(3), torch.randn(n, ho, wo, 3, generator=g)], -1)
+    gx4, gom = gradients(deform_conv.dcnv4, x, offset_mask)
+    same(gx4, gx)
+    grad_blocks = gom[..., : group * 3 * k].view(n, ho, wo, group, 3 * k)
+    same(grad_blocks[..., : 2 * k].flatten(3), goffset)
+    same(grad_blocks[..., 2 * k:].flatten(3).bfloat16(), gmask)
+    assert torch.equal(gom[..., group * 3 * k:], torch.zeros(n, ho, wo, 3))
+    assert goffset.isnan().any() and not goffset.isnan().all()
+
 def test_flash_points_read_in_place_equal_the_materialised_ones_bitwise():
     """The CPU forward of flash_deform_attn reads each point in place from sampling_loc_attn beside the softmax's
     weights (sampled_sum's level_forward); ms_deform_attn with a bfloat16 value and float32 weights materialises

@@ -93,6 +93,19 @@ ConvGrid checked_dcnv3(const at::Tensor& input, const at::Tensor& offset, const 
   return g;
 }
 
+// The kernels read the points in place (grid_forward, grid_backward) from offsets and a mask of one dtype, the
+// points' or the input's.
+bool in_place_types(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask) {
+  const at::ScalarType dtype = point_dtype(input.scalar_type());
+  return (offset.scalar_type() == dtype || offset.scalar_type() == input.scalar_type()) &&
+         mask.scalar_type() == offset.scalar_type();
+}
+
+// Where point k of group g lies in an output pixel's offsets [G * K * 2] and mask [G * K].
+GridLayout dcnv3_layout(int64_t group, int64_t points) {
+  return {group * points * 2, points * 2, group * points, 0, points};
+}
+
 }  // namespace
 
 at::Tensor dcnv3_forward(const SampledSumKernels& kernels, const at::Tensor& input, const at::Tensor& offset,
@@ -103,13 +116,10 @@ at::Tensor dcnv3_forward(const SampledSumKernels& kernels, const at::Tensor& inp
       checked_dcnv3(input, offset, mask, kernel_size, stride, padding, dilation, group, offset_scale, remove_center);
   const int64_t batch = input.size(0), points = g.points();
   const GridCall call = grid_call(g, input, group);
-  const at::ScalarType dtype = point_dtype(input.scalar_type());
-  const bool in_place_types = (offset.scalar_type() == dtype || offset.scalar_type() == input.scalar_type()) &&
-                              mask.scalar_type() == offset.scalar_type();
-  if (kernels.grid_forward != nullptr && in_place_types) {
+  if (kernels.grid_forward != nullptr && in_place_types(input, offset, mask)) {
     // The points read in place from the offsets and the mask (the same points as grid_points', bitwise).
-    const GridLayout layout{group * points * 2, points * 2, group * points, 0, points};
-    const at::Tensor output = kernels.grid_forward(call.value, g, layout, offset.contiguous(), mask.contiguous());
+    const at::Tensor output =
+        kernels.grid_forward(call.value, g, dcnv3_layout(group, points), offset.contiguous(), mask.contiguous());
     return output.view({batch, g.out_height(), g.out_width(), input.size(3)});
   }
   const at::Tensor pts = grid_points(
@@ -129,10 +139,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward(
   const int64_t batch = input.size(0), points = g.points(), channels = input.size(3);
   check_grid_grad_output(g, grad_output, input);
   const GridCall call = grid_call(g, input, group);
+  const at::Tensor grad = grad_output.reshape({batch, g.out_height() * g.out_width(), group, channels / group});
+  if (kernels.grid_backward != nullptr && in_place_types(input, offset, mask)) {
+    // The points read in place as the forward reads them, their gradients written in the offsets' and the mask's
+    // layouts (InternImage's kernel leaves a point at exactly -1 out: as below).
+    const auto [grad_value, grad_offset, grad_mask] =
+        kernels.grid_backward(grad, call.value, g, dcnv3_layout(group, points), offset.contiguous(),
+                              mask.contiguous(), BorderGradient::mmcv);
+    return {grad_value.view(input.sizes()), grad_offset.to(offset.scalar_type()), grad_mask.to(mask.scalar_type())};
+  }
   const at::Tensor pts = grid_points(
       g, offset.reshape({batch, g.out_height(), g.out_width(), group, points, 2}),
       mask.reshape({batch, g.out_height(), g.out_width(), group, points}), point_dtype(input.scalar_type()));
-  const at::Tensor grad = grad_output.reshape({batch, g.out_height() * g.out_width(), group, channels / group});
   // InternImage's kernel leaves a point at exactly -1 out (loc > -1): its derivative there is 0, as mmcv's.
   const auto [grad_value, grad_points] = kernels.backward(grad, call.value, pts, call.point_levels,
                                                           call.spatial_shapes, call.level_start_index,

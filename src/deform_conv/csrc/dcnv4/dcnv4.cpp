@@ -35,6 +35,12 @@ std::pair<at::Tensor, at::Tensor> split(const ConvGrid& g, const at::Tensor& off
   return {blocks.narrow(4, 0, 2 * k).unflatten(4, {k, 2}), blocks.narrow(4, 2 * k, k)};
 }
 
+// Where point k of group g lies in an output pixel's offset_mask [P]: its offsets at g * 3K + 2k, its mask value
+// at g * 3K + 2K + k.
+GridLayout dcnv4_layout(const at::Tensor& offset_mask, int64_t points) {
+  return {offset_mask.size(3), 3 * points, offset_mask.size(3), 2 * points, 3 * points};
+}
+
 }  // namespace
 
 at::Tensor dcnv4_forward(const SampledSumKernels& kernels, const at::Tensor& input, const at::Tensor& offset_mask,
@@ -48,16 +54,16 @@ at::Tensor dcnv4_forward(const SampledSumKernels& kernels, const at::Tensor& inp
   const auto [offsets, mask] = split(g, offset_mask, group);
   // The points read in place from offset_mask's blocks, their weights too or, under the softmax, from its output
   // beside them (the same points as grid_points', bitwise).
-  const int64_t k = g.points(), channels = offset_mask.size(3);
+  const int64_t k = g.points();
   if (kernels.grid_forward != nullptr && !softmax &&
       (offset_mask.scalar_type() == dtype || offset_mask.scalar_type() == input.scalar_type())) {
     const at::Tensor om = offset_mask.contiguous();
-    const at::Tensor output = kernels.grid_forward(call.value, g, {channels, 3 * k, channels, 2 * k, 3 * k}, om, om);
+    const at::Tensor output = kernels.grid_forward(call.value, g, dcnv4_layout(offset_mask, k), om, om);
     return output.view({input.size(0), g.out_height(), g.out_width(), input.size(3)});
   }
   if (kernels.grid_forward != nullptr && softmax && offset_mask.scalar_type() == dtype) {
     const at::Tensor weights = softmax_weights(mask, dtype).contiguous();
-    const at::Tensor output = kernels.grid_forward(call.value, g, {channels, 3 * k, group * k, 0, k},
+    const at::Tensor output = kernels.grid_forward(call.value, g, {offset_mask.size(3), 3 * k, group * k, 0, k},
                                                    offset_mask.contiguous(), weights);
     return output.view({input.size(0), g.out_height(), g.out_width(), input.size(3)});
   }
@@ -77,11 +83,20 @@ std::tuple<at::Tensor, at::Tensor> dcnv4_backward(const SampledSumKernels& kerne
   const int64_t batch = input.size(0), channels = input.size(3), k = g.points();
   check_grid_grad_output(g, grad_output, input);
   const at::ScalarType dtype = point_dtype(input.scalar_type());
+  const GridCall call = grid_call(g, input, group);
+  const at::Tensor grad = grad_output.reshape({batch, g.out_height() * g.out_width(), group, channels / group});
+  if (kernels.grid_backward != nullptr && !softmax &&
+      (offset_mask.scalar_type() == dtype || offset_mask.scalar_type() == input.scalar_type())) {
+    // The points read in place from offset_mask's blocks, their gradients written into the same blocks (the
+    // padding channels stay 0).
+    const at::Tensor om = offset_mask.contiguous();
+    const auto [grad_value, grad_offset_mask, same_tensor] = kernels.grid_backward(
+        grad, call.value, g, dcnv4_layout(offset_mask, k), om, om, BorderGradient::mmcv);
+    return {grad_value.view(input.sizes()), grad_offset_mask.to(offset_mask.scalar_type())};
+  }
   const auto [offsets, mask] = split(g, offset_mask, group);
   const at::Tensor weights = softmax ? softmax_weights(mask, dtype) : mask;
-  const GridCall call = grid_call(g, input, group);
   const at::Tensor pts = grid_points(g, offsets, weights, dtype);
-  const at::Tensor grad = grad_output.reshape({batch, g.out_height() * g.out_width(), group, channels / group});
   const auto [grad_value, grad_points] = kernels.backward(grad, call.value, pts, call.point_levels,
                                                           call.spatial_shapes, call.level_start_index,
                                                           BorderGradient::mmcv);

@@ -41,6 +41,14 @@ struct SampledSumKernels {
   // CPU's only (nullptr elsewhere: there the host code materialises the points).
   at::Tensor (*grid_forward)(const at::Tensor& value, const ConvGrid& grid, const GridLayout& layout,
                              const at::Tensor& offsets, const at::Tensor& weights);
+  // The backward on a grid's points read in place as grid_forward reads them: value's gradient, and the gradients
+  // of the offsets and of the weights (the points' dtype, laid out as `offsets` and `weights`; one tensor where they
+  // are one), the offsets' being the points' times offset_scale, as grid_points_backward's: the same bits as the
+  // backward on the materialised points. The CPU's only, as grid_forward.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> (*grid_backward)(const at::Tensor& grad_output,
+                                                                  const at::Tensor& value, const ConvGrid& grid,
+                                                                  const GridLayout& layout, const at::Tensor& offsets,
+                                                                  const at::Tensor& weights, BorderGradient border);
   // The forward on points in levels read in place from normalised locations (level_points' convention; any layout
   // with point k's x and y at 2 * k and 2 * k + 1 of its group's block, `locations` contiguous [N, Q, G, block],
   // of the points' dtype or the value's) and contiguous weights [N, Q, G, L * K] in the points' dtype, K =

@@ -173,7 +173,8 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_output, const
 }  // namespace
 
 const SampledSumKernels& sampled_sum_kernels() {
-  static const SampledSumKernels kernels{forward, backward, /*grid_forward=*/nullptr, /*level_forward=*/nullptr};
+  static const SampledSumKernels kernels{forward, backward, /*grid_forward=*/nullptr, /*grid_backward=*/nullptr,
+                                         /*level_forward=*/nullptr};
   return kernels;
 }
 

@@ -1,0 +1,139 @@
+// The forward: the weighted sum of each output row's samples. Part of the family's CPU kernels: included by
+// sampled_sum_cpu.cpp only (internal linkage), compiled in one unit with multi-scale deformable attention's CPU
+// kernels, so its names differ from those.
+#pragma once
+
+#include <ATen/OpMathType.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "../../cpu_kernels.h"
+#include "levels.h"
+
+namespace deform_conv {
+namespace cpu {
+namespace {
+
+// About this many sampling points (times D channels) a task: enough to outweigh a task's cost.
+constexpr int64_t kSumPointsPerTask = 2048;
+
+// The forward's per-row scratch, over the row's G * K points: the points, and for each point whose four
+// neighbours lie in its level and whose weight is finite (an interior point), its top-left neighbour and the
+// weight times each neighbour's bilinear weight. Computed for all the row's points at once, in loops the compiler
+// vectorises across points: a point's own arithmetic, not its D channels, is most of the forward's work when D is
+// small (16 in every InternImage layer).
+template <typename acc_t>
+struct RowScratch {
+  std::vector<acc_t> sum, sample, x, y, weight, c0, c1, c2, c3;
+  std::vector<int32_t> x0, y0, interior;
+  RowScratch(int64_t channels, int64_t row_points)
+      : sum(channels), sample(channels), x(row_points), y(row_points), weight(row_points), c0(row_points),
+        c1(row_points), c2(row_points), c3(row_points), x0(row_points), y0(row_points), interior(row_points) {}
+};
+
+// For every point of the row (read into r.x, r.y, r.weight): whether it is interior, and if so its neighbours'
+// coefficients, computed as bilinear_point's weights times the point's weight: the same operations, the same bits.
+template <typename acc_t>
+void prepare_row(int64_t row_points, const acc_t* __restrict__ limit_x,
+                 const acc_t* __restrict__ limit_y, RowScratch<acc_t>& r) {
+  const acc_t *__restrict__ xs = r.x.data(), *__restrict__ ys = r.y.data(), *__restrict__ ws = r.weight.data();
+  acc_t *__restrict__ c0 = r.c0.data(), *__restrict__ c1 = r.c1.data(), *__restrict__ c2 = r.c2.data(),
+        *__restrict__ c3 = r.c3.data();
+  int32_t *__restrict__ x0 = r.x0.data(), *__restrict__ y0 = r.y0.data(), *__restrict__ interior = r.interior.data();
+#pragma omp simd
+  for (int64_t i = 0; i < row_points; ++i) {
+    const acc_t x = xs[i], y = ys[i], w = ws[i];
+    // False for NaN; floor(y) >= 0 and floor(y) + 1 < height, i.e. 0 <= y < height - 1, and likewise x.
+    const bool inside = (y >= acc_t(0)) & (y < limit_y[i]) & (x >= acc_t(0)) & (x < limit_x[i]) &
+                        (std::abs(w) <= std::numeric_limits<acc_t>::max());
+    // An interior point's coordinates are >= 0 and below 2^24: truncation is its floor, exactly.
+    const int32_t top = static_cast<int32_t>(inside ? y : acc_t(0)), left = static_cast<int32_t>(inside ? x : acc_t(0));
+    const acc_t ly = y - static_cast<acc_t>(top), lx = x - static_cast<acc_t>(left);
+    const acc_t hy = acc_t(1) - ly, hx = acc_t(1) - lx;
+    c0[i] = w * (hy * hx);
+    c1[i] = w * (hy * lx);
+    c2[i] = w * (ly * hx);
+    c3[i] = w * (ly * lx);
+    y0[i] = top;
+    x0[i] = left;
+    interior[i] = inside;
+  }
+}
+
+// Output rows (image, query) [begin, end).
+template <typename scalar_t, typename Points>
+void sum_rows_body(const SampledSumSizes& s, const SampledLevel* levels, const int64_t* level_of_point,
+                   const at::opmath_type<scalar_t>* limit_x, const at::opmath_type<scalar_t>* limit_y,
+                   const scalar_t* value, Points points, scalar_t* output, int64_t begin, int64_t end,
+                   RowScratch<at::opmath_type<scalar_t>>* scratch) {
+  using acc_t = at::opmath_type<scalar_t>;
+  RowScratch<acc_t>& r = *scratch;
+  acc_t* __restrict__ sum = r.sum.data();
+  acc_t* __restrict__ sample = r.sample.data();
+  const int64_t channels = s.channels, pixel_stride = s.groups * s.channels;
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t n = row / s.queries, q = row % s.queries;
+    points.read_row(row, r.x.data(), r.y.data(), r.weight.data());
+    prepare_row(s.groups * s.points, limit_x, limit_y, r);
+    for (int64_t g = 0; g < s.groups; ++g) {
+      for (int64_t d = 0; d < channels; ++d) sum[d] = 0;
+      for (int64_t k = 0; k < s.points; ++k) {
+        const int64_t i = g * s.points + k;
+        const SampledLevel& level = levels[level_of_point[k]];
+        const scalar_t* image = value + s.value_index(n, level.fits ? level.start : 0, g);
+        if (r.interior[i]) {
+          // All four neighbours in the level, a finite weight: one pass, the weight folded into the bilinear
+          // weights. (Elsewhere the sample is formed first, so that an infinite weight times a sample of 0 is NaN.)
+          const scalar_t* __restrict__ v0 = image + (int64_t(r.y0[i]) * level.width + r.x0[i]) * pixel_stride;
+          const scalar_t* __restrict__ v1 = v0 + pixel_stride;
+          const scalar_t* __restrict__ v2 = v0 + level.width * pixel_stride;
+          const scalar_t* __restrict__ v3 = v2 + pixel_stride;
+          const acc_t c0 = r.c0[i], c1 = r.c1[i], c2 = r.c2[i], c3 = r.c3[i];
+          // sum is the task's scratch, never one of the value's pixels: no need to check that they overlap.
+#pragma omp simd
+          for (int64_t d = 0; d < channels; ++d) {
+            sum[d] += c0 * static_cast<acc_t>(v0[d]) + c1 * static_cast<acc_t>(v1[d]) +
+                      c2 * static_cast<acc_t>(v2[d]) + c3 * static_cast<acc_t>(v3[d]);
+          }
+          continue;
+        }
+        const BilinearSample<acc_t> b = sample_of(r.x[i], r.y[i], level);
+        const acc_t w = r.weight[i];
+        if (b.count == 4 && std::isfinite(w)) {  // interior, in a level too large for the prepared path
+          const acc_t c[4] = {w * b.weight[0], w * b.weight[1], w * b.weight[2], w * b.weight[3]};
+          const scalar_t* __restrict__ v0 = image + b.pixel[0] * pixel_stride;
+          const scalar_t* __restrict__ v1 = image + b.pixel[1] * pixel_stride;
+          const scalar_t* __restrict__ v2 = image + b.pixel[2] * pixel_stride;
+          const scalar_t* __restrict__ v3 = image + b.pixel[3] * pixel_stride;
+          for (int64_t d = 0; d < channels; ++d) {
+            sum[d] += c[0] * static_cast<acc_t>(v0[d]) + c[1] * static_cast<acc_t>(v1[d]) +
+                      c[2] * static_cast<acc_t>(v2[d]) + c[3] * static_cast<acc_t>(v3[d]);
+          }
+          continue;
+        }
+        // Per channel: the sample from start and the neighbours in order, then times the weight, as a loop over
+        // channels for each neighbour.
+        const acc_t start = sum_start(b);
+        for (int64_t d = 0; d < channels; ++d) sample[d] = start;
+        for (int c = 0; c < b.count; ++c) {
+          const scalar_t* __restrict__ v = image + b.pixel[c] * pixel_stride;
+          const acc_t weight = b.weight[c];
+#pragma omp simd
+          for (int64_t d = 0; d < channels; ++d) sample[d] += weight * static_cast<acc_t>(v[d]);
+        }
+#pragma omp simd
+        for (int64_t d = 0; d < channels; ++d) sum[d] += w * sample[d];
+      }
+      scalar_t* out = output + s.output_index(n, q, g);
+      for (int64_t d = 0; d < channels; ++d) out[d] = static_cast<scalar_t>(sum[d]);
+    }
+  }
+}
+DC_CPU_KERNEL(sum_rows)
+
+}  // namespace
+}  // namespace cpu
+}  // namespace deform_conv
