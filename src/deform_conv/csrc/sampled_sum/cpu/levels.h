@@ -92,8 +92,11 @@ LevelInteriorLimits<acc_t> interior_limits(const SampledLevel& level) {
 
 // The same for each point i = g * K + k of a row (the forward's).
 template <typename acc_t>
+// With, for an interior point's reads, the element of value (of image 0) where its level and group start, and the
+// elements from one row of its level to the next.
 struct InteriorLimits {
   std::vector<acc_t> x, y;
+  std::vector<int64_t> first, row_step;
 };
 
 template <typename acc_t>
@@ -102,9 +105,12 @@ InteriorLimits<acc_t> interior_limits(const SampledSumSizes& s, const SampledLev
   InteriorLimits<acc_t> limits;
   for (int64_t g = 0; g < s.groups; ++g) {
     for (int64_t k = 0; k < s.points; ++k) {
-      const LevelInteriorLimits<acc_t> level = interior_limits<acc_t>(levels[level_of_point[k]]);
-      limits.x.push_back(level.x);
-      limits.y.push_back(level.y);
+      const SampledLevel& level = levels[level_of_point[k]];
+      const LevelInteriorLimits<acc_t> interior = interior_limits<acc_t>(level);
+      limits.x.push_back(interior.x);
+      limits.y.push_back(interior.y);
+      limits.first.push_back(s.value_index(0, level.fits ? level.start : 0, g));
+      limits.row_step.push_back(level.width * s.groups * s.channels);
     }
   }
   return limits;

@@ -58,8 +58,8 @@ at::Tensor forward(const at::Tensor& value, const at::Tensor& points, const at::
     const InteriorLimits<acc_t> limits = interior_limits<acc_t>(s, t.levels.data(), t.of_point.data());
     at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
       RowScratch<acc_t> scratch(s.channels, s.groups * s.points);
-      sum_rows<scalar_t>(s, t.levels.data(), t.of_point.data(), limits.x.data(), limits.y.data(), value_data,
-                         stored, out, begin, end, &scratch);
+      sum_rows<scalar_t>(s, t.levels.data(), t.of_point.data(), &limits, value_data, stored, out, begin, end,
+                         &scratch);
     });
   });
   return output;
@@ -134,8 +134,8 @@ at::Tensor grid_forward(const at::Tensor& value, const ConvGrid& grid, const Gri
     with_grid_reader(c, grid, layout, offsets, weights, scalar_t(0), [&](const auto& reader) {
       at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
         RowScratch<acc_t> scratch(s.channels, s.groups * s.points);
-        sum_rows<scalar_t>(s, c.levels.data(), c.level_of_point.data(), limits.x.data(), limits.y.data(),
-                           value_data, reader, out, begin, end, &scratch);
+        sum_rows<scalar_t>(s, c.levels.data(), c.level_of_point.data(), &limits, value_data, reader, out, begin,
+                           end, &scratch);
       });
     });
   });
@@ -183,8 +183,8 @@ at::Tensor level_forward(const at::Tensor& value, const at::Tensor& spatial_shap
                                                        heights.data(), s.groups, s.points, locations.size(3)};
       at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
         RowScratch<acc_t> scratch(s.channels, s.groups * s.points);
-        sum_rows<scalar_t>(s, levels.data(), level_of_point.data(), limits.x.data(), limits.y.data(), value_data,
-                           reader, out, begin, end, &scratch);
+        sum_rows<scalar_t>(s, levels.data(), level_of_point.data(), &limits, value_data, reader, out, begin, end,
+                           &scratch);
       });
     };
     if (locations.scalar_type() == weights.scalar_type()) {

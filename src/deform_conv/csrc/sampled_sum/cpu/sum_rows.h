@@ -66,30 +66,30 @@ void prepare_row(int64_t row_points, const acc_t* __restrict__ limit_x,
 // Output rows (image, query) [begin, end).
 template <typename scalar_t, typename Points>
 void sum_rows_body(const SampledSumSizes& s, const SampledLevel* levels, const int64_t* level_of_point,
-                   const at::opmath_type<scalar_t>* limit_x, const at::opmath_type<scalar_t>* limit_y,
-                   const scalar_t* value, Points points, scalar_t* output, int64_t begin, int64_t end,
-                   RowScratch<at::opmath_type<scalar_t>>* scratch) {
+                   const InteriorLimits<at::opmath_type<scalar_t>>* interior, const scalar_t* value, Points points,
+                   scalar_t* output, int64_t begin, int64_t end, RowScratch<at::opmath_type<scalar_t>>* scratch) {
   using acc_t = at::opmath_type<scalar_t>;
   RowScratch<acc_t>& r = *scratch;
+  const InteriorLimits<acc_t>& limits = *interior;
   acc_t* __restrict__ sum = r.sum.data();
   acc_t* __restrict__ sample = r.sample.data();
   const int64_t channels = s.channels, pixel_stride = s.groups * s.channels;
   for (int64_t row = begin; row < end; ++row) {
     const int64_t n = row / s.queries, q = row % s.queries;
+    const scalar_t* image_n = value + s.value_index(n, 0, 0);
     points.read_row(row, r.x.data(), r.y.data(), r.weight.data());
-    prepare_row(s.groups * s.points, limit_x, limit_y, r);
+    prepare_row(s.groups * s.points, limits.x.data(), limits.y.data(), r);
     for (int64_t g = 0; g < s.groups; ++g) {
       for (int64_t d = 0; d < channels; ++d) sum[d] = 0;
       for (int64_t k = 0; k < s.points; ++k) {
         const int64_t i = g * s.points + k;
-        const SampledLevel& level = levels[level_of_point[k]];
-        const scalar_t* image = value + s.value_index(n, level.fits ? level.start : 0, g);
         if (r.interior[i]) {
           // All four neighbours in the level, a finite weight: one pass, the weight folded into the bilinear
           // weights. (Elsewhere the sample is formed first, so that an infinite weight times a sample of 0 is NaN.)
-          const scalar_t* __restrict__ v0 = image + (int64_t(r.y0[i]) * level.width + r.x0[i]) * pixel_stride;
+          const scalar_t* __restrict__ v0 =
+              image_n + limits.first[i] + r.y0[i] * limits.row_step[i] + r.x0[i] * pixel_stride;
           const scalar_t* __restrict__ v1 = v0 + pixel_stride;
-          const scalar_t* __restrict__ v2 = v0 + level.width * pixel_stride;
+          const scalar_t* __restrict__ v2 = v0 + limits.row_step[i];
           const scalar_t* __restrict__ v3 = v2 + pixel_stride;
           const acc_t c0 = r.c0[i], c1 = r.c1[i], c2 = r.c2[i], c3 = r.c3[i];
           // sum is the task's scratch, never one of the value's pixels: no need to check that they overlap.
@@ -100,6 +100,8 @@ void sum_rows_body(const SampledSumSizes& s, const SampledLevel* levels, const i
           }
           continue;
         }
+        const SampledLevel& level = levels[level_of_point[k]];
+        const scalar_t* image = value + s.value_index(n, level.fits ? level.start : 0, g);
         const BilinearSample<acc_t> b = sample_of(r.x[i], r.y[i], level);
         const acc_t w = r.weight[i];
         if (b.count == 4 && std::isfinite(w)) {  // interior, in a level too large for the prepared path
