@@ -6,7 +6,7 @@
 // compiler vectorises, for the widest instruction set the CPU has (DC_CPU_DISPATCH). A point whose four
 // neighbours all lie in the image (most of them) takes one pass over the channels for all four.
 //
-// The forward splits the rows (image, query) between threads; each row's output is written once. The backward
+// The forward is the family's (csrc/sampled_sum/: the same sums, reading the locations in place). The backward
 // splits (image, head, level) between threads: one task owns its slice of value's gradient (that level's pixels
 // of that head) and its points' location and weight gradients, and walks its queries and points in order, so
 // every sum is taken in one fixed order: the gradients are bitwise the same for any thread count.
@@ -49,78 +49,6 @@ BilinearSample<acc_t> sample_at(const scalar_t* location, const Level& level) {
   const acc_t x = half_pixel_coordinate(static_cast<acc_t>(location[0]), level.width);
   const acc_t y = half_pixel_coordinate(static_cast<acc_t>(location[1]), level.height);
   return bilinear_sample(y, x, level.height, level.width);
-}
-
-// sample[d] = the bilinear interpolation of channel d at s (NaN for a NaN location); `image` is the level's
-// first pixel of the head, pixels `pixel_stride` apart.
-template <typename acc_t, typename scalar_t>
-void interpolate(const BilinearSample<acc_t>& s, const scalar_t* __restrict__ image, int64_t pixel_stride,
-                 int64_t channels, acc_t* __restrict__ sample) {
-  const acc_t start = sum_start(s);
-  for (int64_t d = 0; d < channels; ++d) sample[d] = start;
-  for (int k = 0; k < s.count; ++k) {
-    const scalar_t* __restrict__ v = image + s.pixel[k] * pixel_stride;
-    const acc_t w = s.weight[k];
-    for (int64_t d = 0; d < channels; ++d) sample[d] += w * static_cast<acc_t>(v[d]);
-  }
-}
-
-// About this many sampling points (times D channels) a task: enough to outweigh a task's cost.
-constexpr int64_t kPointsPerTask = 2048;
-
-// Output rows (image, query) [begin, end). `sum` and `sample` hold D values each.
-template <typename scalar_t>
-void forward_rows_body(const AttentionParams& p, const Level* levels, const scalar_t* value,
-                                  const scalar_t* locations, const scalar_t* weights, scalar_t* output, int64_t begin,
-                                  int64_t end, at::opmath_type<scalar_t>* __restrict__ sum,
-                                  at::opmath_type<scalar_t>* __restrict__ sample) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const int64_t channels = p.channels, pixel_stride = p.heads * p.channels;
-  for (int64_t row = begin; row < end; ++row) {
-    const int64_t n = row / p.queries, q = row % p.queries;
-    for (int64_t m = 0; m < p.heads; ++m) {
-      for (int64_t d = 0; d < channels; ++d) sum[d] = 0;
-      for (int64_t l = 0; l < p.levels; ++l) {
-        const scalar_t* image = value + p.value_index(n, levels[l].start, m);
-        for (int64_t pt = 0; pt < p.points; ++pt) {
-          const int64_t point = p.point_index(n, q, m, l, pt);
-          const BilinearSample<acc_t> s = sample_at<acc_t>(locations + 2 * point, levels[l]);
-          const acc_t w = static_cast<acc_t>(weights[point]);
-          if (s.count == 4 && std::isfinite(w)) {
-            // All four neighbours in the image, a finite weight: one pass, the weight folded into the four
-            // bilinear weights. (Elsewhere the sample is formed first, so that an infinite weight times a sample
-            // of 0 is NaN, as the definition says.)
-            const scalar_t* __restrict__ v0 = image + s.pixel[0] * pixel_stride;
-            const scalar_t* __restrict__ v1 = image + s.pixel[1] * pixel_stride;
-            const scalar_t* __restrict__ v2 = image + s.pixel[2] * pixel_stride;
-            const scalar_t* __restrict__ v3 = image + s.pixel[3] * pixel_stride;
-            const acc_t c0 = w * s.weight[0], c1 = w * s.weight[1], c2 = w * s.weight[2], c3 = w * s.weight[3];
-            for (int64_t d = 0; d < channels; ++d) {
-              sum[d] += c0 * static_cast<acc_t>(v0[d]) + c1 * static_cast<acc_t>(v1[d]) +
-                        c2 * static_cast<acc_t>(v2[d]) + c3 * static_cast<acc_t>(v3[d]);
-            }
-            continue;
-          }
-          interpolate(s, image, pixel_stride, channels, sample);
-          for (int64_t d = 0; d < channels; ++d) sum[d] += w * sample[d];
-        }
-      }
-      scalar_t* out = output + p.output_index(n, q, m);
-      for (int64_t d = 0; d < channels; ++d) out[d] = static_cast<scalar_t>(sum[d]);
-    }
-  }
-}
-DC_CPU_KERNEL(forward_rows)
-
-template <typename scalar_t>
-void forward_all(const AttentionParams& p, const std::vector<Level>& levels, const scalar_t* value,
-                 const scalar_t* locations, const scalar_t* weights, scalar_t* output) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const int64_t grain = std::max<int64_t>(1, kPointsPerTask / std::max<int64_t>(1, p.heads * p.levels * p.points));
-  at::parallel_for(0, p.batch * p.queries, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> sum(p.channels), sample(p.channels);
-    forward_rows<scalar_t>(p, levels.data(), value, locations, weights, output, begin, end, sum.data(), sample.data());
-  });
 }
 
 // Tasks (image, head, level) [begin, end). A task sums its slice of value's gradient (that level's pixels of that
@@ -243,14 +171,16 @@ at::Tensor ms_deform_attn_forward(const at::Tensor& value, const at::Tensor& spa
     return ms_deform_attn_on_float32_points(sampled_sum_kernels(), p, value, spatial_shapes, level_start_index,
                                             sampling_locations, attention_weights);
   }
-  const std::vector<Level> levels = read_levels(p, spatial_shapes, level_start_index);
-  const at::Tensor v = value.contiguous(), loc = sampling_locations.contiguous(), w = attention_weights.contiguous();
-  at::Tensor output = at::empty({p.batch, p.queries, p.heads * p.channels}, value.options());
-  MS_DEFORM_ATTN_DISPATCH(value.scalar_type(), "ms_deform_attn_cpu", [&] {
-    forward_all<scalar_t>(p, levels, v.const_data_ptr<scalar_t>(), loc.const_data_ptr<scalar_t>(),
-                          w.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>());
-  });
-  return output;
+  // The family's forward on the locations read in place (sampled_sum's level_forward): the same points (location
+  // * size - 0.5) and the same sums in the same order (levels, then points) as this op's own kernel took them.
+  const int64_t points = p.levels * p.points;
+  const at::Tensor locations = sampling_locations.contiguous().view({p.batch, p.queries, p.heads, 2 * points});
+  const at::Tensor weights = attention_weights.contiguous()
+                                 .view({p.batch, p.queries, p.heads, points})
+                                 .to(point_dtype(value.scalar_type()));  // exact: a half type widened
+  const at::Tensor output =
+      sampled_sum_kernels().level_forward(value, spatial_shapes, level_start_index, locations, weights, p.points);
+  return output.view({p.batch, p.queries, p.heads * p.channels});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ms_deform_attn_backward(
