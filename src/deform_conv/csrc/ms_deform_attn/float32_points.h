@@ -2,7 +2,8 @@
 // value (Deformable DETR under autocast: the value from a half Linear, the locations from float32 reference
 // points): computed on the family's shared kernels (csrc/sampled_sum/), whose points are float32 whatever the
 // value's dtype, so that no coordinate is rounded to a half type. Calls whose tensors share one dtype keep the
-// op's own kernels. Host code written once for every backend, as DCNv3's (csrc/dcnv3/dcnv3.h).
+// op's own backward and CUDA kernels (their CPU forward is the family's too: cpu/ms_deform_attn_cpu.cpp). Host
+// code written once for every backend, as DCNv3's (csrc/dcnv3/dcnv3.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -3,8 +3,8 @@
 // the points' gradients to the ops' arguments. Written once with ATen's operators, so every backend runs the same
 // code (on the value's device, without a host synchronisation); the points are computed in float32 (float64 for
 // a float64 value) whatever the dtype of the value or of the offsets: coordinates are never rounded to a half
-// type. (The CPU forward of a grid computes the same points in its kernel: sampled_sum.h's grid_forward, on
-// grid_tables.) Host code.
+// type. (The CPU kernels compute the same points in place: sampled_sum.h's grid_forward and grid_backward, on
+// grid_tables, and level_forward.) Host code.
 #pragma once
 
 #include <ATen/core/Tensor.h>

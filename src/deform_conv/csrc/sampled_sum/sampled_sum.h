@@ -3,8 +3,9 @@
 // points come from (a grid plus offsets, or normalised locations in levels) and whether their weights pass
 // through a softmax; each op's host code (csrc/<op>/) computes the points in float32 (float64 for a float64
 // value) with ATen's operators (points.h), whatever the value's dtype, calls these kernels, and carries the
-// points' gradients back to its own arguments. So there is one CPU and one CUDA kernel for the whole family. (The
-// CPU's grid_forward and level_forward, below, read the points in place instead: the same points.)
+// points' gradients back to its own arguments. So there is one CPU and one CUDA kernel for the whole family (and
+// multi-scale deformable attention's CPU forward). (The CPU's grid_forward, grid_backward and level_forward, below,
+// read the points in place instead: the same points.)
 //
 //   value        [N, S, G, D]     S = the pixels of all levels, one level after another
 //   points       [N, Q, G, K, 3]  (x, y, weight) of each point, x and y in the level's pixel coordinates
@@ -51,8 +52,8 @@ struct SampledSumKernels {
                                                                   const at::Tensor& weights, BorderGradient border);
   // The forward on points in levels read in place from normalised locations (level_points' convention; any layout
   // with point k's x and y at 2 * k and 2 * k + 1 of its group's block, `locations` contiguous [N, Q, G, block],
-  // of the points' dtype or the value's) and contiguous weights [N, Q, G, L * K] in the points' dtype, K =
-  // points_per_level: the same points, the same sums, bitwise. The CPU's only, as grid_forward.
+  // of the points' dtype or the value's) and contiguous weights [N, Q, G, L * K] (the points' dtype, or the
+  // locations'), K = points_per_level: the same points, the same sums, bitwise. The CPU's only, as grid_forward.
   at::Tensor (*level_forward)(const at::Tensor& value, const at::Tensor& spatial_shapes,
                               const at::Tensor& level_start_index, const at::Tensor& locations,
                               const at::Tensor& weights, int64_t points_per_level);

@@ -175,9 +175,7 @@ at::Tensor ms_deform_attn_forward(const at::Tensor& value, const at::Tensor& spa
   // * size - 0.5) and the same sums in the same order (levels, then points) as this op's own kernel took them.
   const int64_t points = p.levels * p.points;
   const at::Tensor locations = sampling_locations.contiguous().view({p.batch, p.queries, p.heads, 2 * points});
-  const at::Tensor weights = attention_weights.contiguous()
-                                 .view({p.batch, p.queries, p.heads, points})
-                                 .to(point_dtype(value.scalar_type()));  // exact: a half type widened
+  const at::Tensor weights = attention_weights.contiguous().view({p.batch, p.queries, p.heads, points});
   const at::Tensor output =
       sampled_sum_kernels().level_forward(value, spatial_shapes, level_start_index, locations, weights, p.points);
   return output.view({p.batch, p.queries, p.heads * p.channels});

@@ -91,26 +91,27 @@ struct GridGrads {
   }
 };
 
-// ... or, in levels, from normalised locations (of type location_t: acc_t, or a half value's own type) and the
-// weights in place, computed as level_points (points.cpp) computes them: location * size - 0.5 in acc_t, so the
-// same bits. Point k's x and y are at 2 * k and 2 * k + 1 of its group's block of `location_group` elements (a
-// row holds G blocks); its weight at k of its group's K in `weights` [rows, G, K].
-template <typename acc_t, typename location_t>
+// ... or, in levels, from normalised locations and weights in place (each of type acc_t, or a half value's own
+// type, widened exactly as they are read), computed as level_points (points.cpp) computes them: location * size -
+// 0.5 in acc_t, so the same bits. Point k's x and y are at 2 * k and 2 * k + 1 of its group's block of
+// `location_group` elements (a row holds G blocks); its weight at k of its group's K in `weights` [rows, G, K].
+template <typename acc_t, typename location_t, typename weight_t>
 struct LevelPointReader {
   const location_t* locations;
-  const acc_t *weights, *widths, *heights;  // widths and heights: of each point's level, [K]
+  const weight_t* weights;
+  const acc_t *widths, *heights;  // of each point's level, [K]
   int64_t groups, points, location_group;
 
   void read_row(int64_t row, acc_t* __restrict__ x, acc_t* __restrict__ y, acc_t* __restrict__ weight) const {
     const location_t* row_locations = locations + row * groups * location_group;
-    const acc_t* row_weights = weights + row * groups * points;
+    const weight_t* row_weights = weights + row * groups * points;
     for (int64_t g = 0; g < groups; ++g) {
       const location_t* location = row_locations + g * location_group;
       acc_t *gx = x + g * points, *gy = y + g * points, *gw = weight + g * points;
       for (int64_t k = 0; k < points; ++k) {
         gx[k] = static_cast<acc_t>(location[2 * k]) * widths[k] - acc_t(0.5);
         gy[k] = static_cast<acc_t>(location[2 * k + 1]) * heights[k] - acc_t(0.5);
-        gw[k] = row_weights[g * points + k];
+        gw[k] = static_cast<acc_t>(row_weights[g * points + k]);
       }
     }
   }

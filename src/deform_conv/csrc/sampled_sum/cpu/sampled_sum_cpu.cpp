@@ -146,9 +146,11 @@ at::Tensor level_forward(const at::Tensor& value, const at::Tensor& spatial_shap
                          const at::Tensor& locations, const at::Tensor& weights, int64_t points_per_level) {
   follow_torch_thread_count();
   TORCH_INTERNAL_ASSERT(value.dim() == 4 && locations.dim() == 4 && weights.dim() == 4 && locations.is_contiguous() &&
-                            weights.is_contiguous() && weights.scalar_type() == point_dtype(value.scalar_type()) &&
-                            (locations.scalar_type() == weights.scalar_type() ||
+                            weights.is_contiguous() &&
+                            (locations.scalar_type() == point_dtype(value.scalar_type()) ||
                              locations.scalar_type() == value.scalar_type()) &&
+                            (weights.scalar_type() == point_dtype(value.scalar_type()) ||
+                             weights.scalar_type() == locations.scalar_type()) &&
                             points_per_level >= 1 && weights.size(3) == spatial_shapes.size(0) * points_per_level &&
                             locations.size(3) >= 2 * weights.size(3),
                         "sampled_sum level_forward: bad arguments");
@@ -176,21 +178,30 @@ at::Tensor level_forward(const at::Tensor& value, const at::Tensor& spatial_shap
     const InteriorLimits<acc_t> limits = interior_limits<acc_t>(s, levels.data(), level_of_point.data());
     const scalar_t* value_data = v.const_data_ptr<scalar_t>();
     scalar_t* out = output.mutable_data_ptr<scalar_t>();
-    const auto run = [&](auto locations_of_type) {
-      using location_t = decltype(locations_of_type);
-      const LevelPointReader<acc_t, location_t> reader{locations.const_data_ptr<location_t>(),
-                                                       weights.const_data_ptr<acc_t>(), widths.data(),
-                                                       heights.data(), s.groups, s.points, locations.size(3)};
+    const auto run = [&](auto location_of_type, auto weight_of_type) {
+      using location_t = decltype(location_of_type);
+      using weight_t = decltype(weight_of_type);
+      const LevelPointReader<acc_t, location_t, weight_t> reader{
+          locations.const_data_ptr<location_t>(), weights.const_data_ptr<weight_t>(), widths.data(), heights.data(),
+          s.groups, s.points, locations.size(3)};
       at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
         RowScratch<acc_t> scratch(s.channels, s.groups * s.points);
         sum_rows<scalar_t>(s, levels.data(), level_of_point.data(), &limits, value_data, reader, out, begin, end,
                            &scratch);
       });
     };
-    if (locations.scalar_type() == weights.scalar_type()) {
-      run(acc_t(0));
+    // The locations and weights in the points' dtype; a half value's locations in its own type beside weights in
+    // either (FlashDeformAttn's softmax, multi-scale deformable attention's own).
+    const bool points_locations = locations.scalar_type() == point_dtype(value.scalar_type());
+    const bool points_weights = weights.scalar_type() == point_dtype(value.scalar_type());
+    if (points_locations) {
+      run(acc_t(0), acc_t(0));
     } else if constexpr (!std::is_same_v<scalar_t, acc_t>) {
-      run(scalar_t(0));  // a half value's locations in its own type, widened exactly as they are read
+      if (points_weights) {
+        run(scalar_t(0), acc_t(0));
+      } else {
+        run(scalar_t(0), scalar_t(0));
+      }
     }
   });
   return output;
