@@ -101,7 +101,10 @@ def units(kind, csrc):
     folders = _unit_folders()
     if kind == "cpu":
         found = {}
-        for prefix, fs in folders.items():
+        # The groups' units first: each holds several ops' kernels, the longest compile of the library (ninja
+        # starts the units in this order, two at a time on two cores).
+        ordered = sorted(folders.items(), key=lambda item: item[0] not in UNIT_GROUPS)
+        for prefix, fs in ordered:
             apart = tuple(f"{prefix}/{name}" for name in CPU_SAMPLING_UNITS.get(prefix, ()))
             if apart:
                 found[f"{prefix}_cpu_sampling"] = apart

@@ -52,9 +52,8 @@ at::Tensor forward(const at::Tensor& value, const at::Tensor& points, const at::
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* value_data = v.const_data_ptr<scalar_t>();
-    const acc_t* point_data = pts.const_data_ptr<acc_t>();
     scalar_t* out = output.mutable_data_ptr<scalar_t>();
-    const StoredPoints<acc_t> stored{point_data, s.groups, s.points};
+    const PointSource<scalar_t> stored = stored_points<scalar_t>(pts, s.groups, s.points);
     const InteriorLimits<acc_t> limits = interior_limits<acc_t>(s, t.levels.data(), t.of_point.data());
     at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
       RowScratch<acc_t> scratch(s.channels, s.groups * s.points);
@@ -95,27 +94,30 @@ GridCallSizes grid_call_sizes(const at::Tensor& value, const ConvGrid& grid, con
   return c;
 }
 
-// Runs `body(reader)` with the GridPointReader of the call's offsets and weights, in the points' dtype or (a half
-// value's offsets in its own type, widened exactly as they are read) the value's.
-template <typename scalar_t, typename Body>
-void with_grid_reader(const GridCallSizes& c, const ConvGrid& grid, const GridLayout& layout,
-                      const at::Tensor& offsets, const at::Tensor& weights, scalar_t value_type, const Body& body) {
+// The PointSource of a grid's offsets and weights (in the points' dtype, or a half value's offsets in its own
+// type); `tables` holds its tables in acc_t, rounded once, as grid_points' are.
+template <typename scalar_t>
+PointSource<scalar_t> grid_source(const GridCallSizes& c, const ConvGrid& grid, const GridLayout& layout,
+                                  const at::Tensor& offsets, const at::Tensor& weights,
+                                  std::vector<at::opmath_type<scalar_t>> (&tables)[4]) {
   using acc_t = at::opmath_type<scalar_t>;
-  const auto in_acc = [](const std::vector<double>& table) { return std::vector<acc_t>(table.begin(), table.end()); };
-  const std::vector<acc_t> base_x = in_acc(c.tables.base_x), base_y = in_acc(c.tables.base_y);
-  const std::vector<acc_t> tap_x = in_acc(c.tables.tap_x), tap_y = in_acc(c.tables.tap_y);
-  const auto run = [&](auto offsets_of_type) {
-    using offset_t = decltype(offsets_of_type);
-    body(GridPointReader<acc_t, offset_t>{offsets.const_data_ptr<offset_t>(), weights.const_data_ptr<offset_t>(),
-                                          base_x.data(), base_y.data(), tap_x.data(), tap_y.data(), layout,
-                                          static_cast<acc_t>(grid.offset_scale), c.s.groups, c.s.points,
-                                          grid.out_height(), grid.out_width()});
-  };
-  if (offsets.scalar_type() == point_dtype(c10::CppTypeToScalarType<scalar_t>::value)) {
-    run(acc_t(0));
-  } else if constexpr (!std::is_same_v<scalar_t, acc_t>) {
-    run(value_type);
-  }
+  const std::vector<double>* from[4] = {&c.tables.base_x, &c.tables.base_y, &c.tables.tap_x, &c.tables.tap_y};
+  for (int i = 0; i < 4; ++i) tables[i] = std::vector<acc_t>(from[i]->begin(), from[i]->end());
+  PointSource<scalar_t> p{};
+  p.kind = PointSource<scalar_t>::Kind::grid;
+  p.groups = c.s.groups;
+  p.points = c.s.points;
+  p.offsets = elements_of<scalar_t>(offsets);
+  p.weights = elements_of<scalar_t>(weights);
+  p.layout = layout;
+  p.base_x = tables[0].data();
+  p.base_y = tables[1].data();
+  p.tap_x = tables[2].data();
+  p.tap_y = tables[3].data();
+  p.scale = static_cast<acc_t>(grid.offset_scale);
+  p.out_height = grid.out_height();
+  p.out_width = grid.out_width();
+  return p;
 }
 
 at::Tensor grid_forward(const at::Tensor& value, const ConvGrid& grid, const GridLayout& layout,
@@ -131,12 +133,12 @@ at::Tensor grid_forward(const at::Tensor& value, const ConvGrid& grid, const Gri
     const InteriorLimits<acc_t> limits = interior_limits<acc_t>(s, c.levels.data(), c.level_of_point.data());
     const scalar_t* value_data = v.const_data_ptr<scalar_t>();
     scalar_t* out = output.mutable_data_ptr<scalar_t>();
-    with_grid_reader(c, grid, layout, offsets, weights, scalar_t(0), [&](const auto& reader) {
-      at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
-        RowScratch<acc_t> scratch(s.channels, s.groups * s.points);
-        sum_rows<scalar_t>(s, c.levels.data(), c.level_of_point.data(), &limits, value_data, reader, out, begin,
-                           end, &scratch);
-      });
+    std::vector<acc_t> tables[4];
+    const PointSource<scalar_t> reader = grid_source<scalar_t>(c, grid, layout, offsets, weights, tables);
+    at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
+      RowScratch<acc_t> scratch(s.channels, s.groups * s.points);
+      sum_rows<scalar_t>(s, c.levels.data(), c.level_of_point.data(), &limits, value_data, reader, out, begin, end,
+                         &scratch);
     });
   });
   return output;
@@ -178,31 +180,20 @@ at::Tensor level_forward(const at::Tensor& value, const at::Tensor& spatial_shap
     const InteriorLimits<acc_t> limits = interior_limits<acc_t>(s, levels.data(), level_of_point.data());
     const scalar_t* value_data = v.const_data_ptr<scalar_t>();
     scalar_t* out = output.mutable_data_ptr<scalar_t>();
-    const auto run = [&](auto location_of_type, auto weight_of_type) {
-      using location_t = decltype(location_of_type);
-      using weight_t = decltype(weight_of_type);
-      const LevelPointReader<acc_t, location_t, weight_t> reader{
-          locations.const_data_ptr<location_t>(), weights.const_data_ptr<weight_t>(), widths.data(), heights.data(),
-          s.groups, s.points, locations.size(3)};
-      at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
-        RowScratch<acc_t> scratch(s.channels, s.groups * s.points);
-        sum_rows<scalar_t>(s, levels.data(), level_of_point.data(), &limits, value_data, reader, out, begin, end,
-                           &scratch);
-      });
-    };
-    // The locations and weights in the points' dtype; a half value's locations in its own type beside weights in
-    // either (FlashDeformAttn's softmax, multi-scale deformable attention's own).
-    const bool points_locations = locations.scalar_type() == point_dtype(value.scalar_type());
-    const bool points_weights = weights.scalar_type() == point_dtype(value.scalar_type());
-    if (points_locations) {
-      run(acc_t(0), acc_t(0));
-    } else if constexpr (!std::is_same_v<scalar_t, acc_t>) {
-      if (points_weights) {
-        run(scalar_t(0), acc_t(0));
-      } else {
-        run(scalar_t(0), scalar_t(0));
-      }
-    }
+    PointSource<scalar_t> reader{};
+    reader.kind = PointSource<scalar_t>::Kind::levels;
+    reader.groups = s.groups;
+    reader.points = s.points;
+    reader.offsets = elements_of<scalar_t>(locations);
+    reader.weights = elements_of<scalar_t>(weights);
+    reader.widths = widths.data();
+    reader.heights = heights.data();
+    reader.location_group = locations.size(3);
+    at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
+      RowScratch<acc_t> scratch(s.channels, s.groups * s.points);
+      sum_rows<scalar_t>(s, levels.data(), level_of_point.data(), &limits, value_data, reader, out, begin, end,
+                         &scratch);
+    });
   });
   return output;
 }
@@ -244,9 +235,9 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_output, const
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     backward_tasks<scalar_t>(s, t.levels, t.of_point, v.const_data_ptr<scalar_t>(),
-                             StoredPoints<acc_t>{pts.const_data_ptr<acc_t>(), s.groups, s.points},
+                             stored_points<scalar_t>(pts, s.groups, s.points),
                              g.const_data_ptr<scalar_t>(), grad_value.mutable_data_ptr<scalar_t>(),
-                             StoredPointGrads<acc_t>{grad_points.mutable_data_ptr<acc_t>(), s.groups, s.points},
+                             PointGrads<acc_t>{false, s.groups, s.points, grad_points.mutable_data_ptr<acc_t>()},
                              border);
   });
   return {grad_value, grad_points};
@@ -268,12 +259,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grid_backward(const at::Tensor& g
   at::Tensor grad_weights = one_tensor ? grad_offsets : at::empty(weights.sizes(), options);
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_grid_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const GridGrads<acc_t> grads{grad_offsets.mutable_data_ptr<acc_t>(), grad_weights.mutable_data_ptr<acc_t>(),
-                                 layout, static_cast<acc_t>(grid.offset_scale)};
-    with_grid_reader(c, grid, layout, offsets, weights, scalar_t(0), [&](const auto& reader) {
-      backward_tasks<scalar_t>(s, c.levels, c.level_of_point, v.const_data_ptr<scalar_t>(), reader,
-                               g.const_data_ptr<scalar_t>(), grad_value.mutable_data_ptr<scalar_t>(), grads, border);
-    });
+    const PointGrads<acc_t> grads{true, 0, 0, nullptr, grad_offsets.mutable_data_ptr<acc_t>(),
+                                  grad_weights.mutable_data_ptr<acc_t>(), layout,
+                                  static_cast<acc_t>(grid.offset_scale)};
+    std::vector<acc_t> tables[4];
+    backward_tasks<scalar_t>(s, c.levels, c.level_of_point, v.const_data_ptr<scalar_t>(),
+                             grid_source<scalar_t>(c, grid, layout, offsets, weights, tables),
+                             g.const_data_ptr<scalar_t>(), grad_value.mutable_data_ptr<scalar_t>(), grads, border);
   });
   return {grad_value, grad_offsets, grad_weights};
 }
