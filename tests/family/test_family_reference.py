@@ -228,6 +228,31 @@ def test_gradients_of_points_read_in_place_equal_the_materialised_ones_bitwise()
     assert torch.equal(gom[..., group * 3 * k:], torch.zeros(n, ho, wo, 3))
     assert goffset.isnan().any() and not goffset.isnan().all()
 
+def test_an_input_without_pixels_samples_zero_on_every_path():
+    """An input of no rows whose padding still gives output pixels (1x1 kernel, padding 1): every point lies
+    outside it, so the output is the reference's 0 and so are the offsets' and mask's gradients, whichever path
+    the call takes: the points read in place, materialised (float32 offsets beside a bfloat16 mask), or under
+    dcnv4's softmax, whose forward reads them in place and whose backward materialises them. Before, the
+    materialised path sampled NaN from the empty level."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 0, 4, 4, generator=g)
+    offset, mask = torch.randn(1, 2, 6, 2, generator=g), torch.rand(1, 2, 6, 1, generator=g)
+    geometry = (1, 1, 1, 1, 1, 1.0)
+    expected = deform_conv.dcnv3_reference(x.double(), offset.double(), mask.double(), *geometry)
+    assert expected.shape == (1, 2, 6, 4) and torch.equal(expected, torch.zeros_like(expected))
+    for x_, mask_ in ((x, mask), (x.bfloat16(), mask.bfloat16())):
+        tensors = [t.clone().requires_grad_() for t in (x_, offset, mask_)]
+        out = deform_conv.dcnv3(*tensors, *geometry)
+        out.float().sum().backward()
+        assert torch.equal(out.float(), torch.zeros(1, 2, 6, 4)), mask_.dtype
+        for t in tensors[1:]:
+            assert torch.equal(t.grad.float(), torch.zeros_like(t.grad.float())), mask_.dtype
+    offset_mask = torch.randn(1, 2, 6, 4, generator=g).requires_grad_()
+    out = deform_conv.dcnv4(x, offset_mask, *geometry, False, True)
+    out.sum().backward()
+    assert torch.equal(out, torch.zeros(1, 2, 6, 4))
+    assert torch.equal(offset_mask.grad, torch.zeros_like(offset_mask.grad))
+
 def test_flash_points_read_in_place_equal_the_materialised_ones_bitwise():
     """The CPU forward of flash_deform_attn reads each point in place from sampling_loc_attn beside the softmax's
     weights (sampled_sum's level_forward); ms_deform_attn with a bfloat16 value and float32 weights materialises

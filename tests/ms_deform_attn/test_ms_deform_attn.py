@@ -136,7 +136,7 @@ def test_many_queries(backend, dtype):
 
 
 def test_empty_batch_no_queries_and_no_channels(backend, dtype):
-    for changes in (dict(batch=0), dict(queries=0), dict(batch=0, queries=0), dict(channels=0)):
+    for changes in (dict(batch=0), dict(queries=0), dict(batch=0, queries=0), dict(channels=0), dict(points=0)):
         case = make_case(dtype, **changes)
         got = results(backend, case)
         heads, channels = case.value.shape[2:]
@@ -148,6 +148,8 @@ def test_empty_batch_no_queries_and_no_channels(backend, dtype):
         zero_grads = got[1:] if changes == dict(channels=0) else got[1:2]
         for grad in zero_grads:
             assert torch.equal(grad, torch.zeros_like(grad)), changes
+        if changes == dict(points=0):  # no point a level: every output is an empty sum
+            assert got[0].numel() > 0 and torch.equal(got[0], torch.zeros_like(got[0]))
 
 
 # ------------------------------------------------------------------------------------- centres and borders

@@ -32,8 +32,11 @@ struct AttentionParams {
 
 // Whether a level of height x width pixels starting at `start` lies inside value's `pixels`. The kernels sample
 // NaN from a level that does not (it reads nothing): only CUDA calls can get that far, as make_attention_params
-// (attention_params.h) rejects such levels on the CPU.
+// (attention_params.h) rejects such levels on the CPU. An empty level (0 rows or columns: a DCNv3 or DCNv4 input
+// without pixels, whose padding still gives output pixels) fits where it starts inside value: it has no pixel to
+// read, and every point lies outside it, so its samples are 0, as the ops' definition has them.
 DC_HOST_DEVICE inline bool level_fits(int64_t start, int64_t height, int64_t width, int64_t pixels) {
+  if (height == 0 || width == 0) return start >= 0 && start <= pixels && height >= 0 && width >= 0;
   // width <= pixels / height: height * width cannot overflow.
   return start >= 0 && height >= 1 && width >= 1 && width <= pixels / height && start <= pixels - height * width;
 }

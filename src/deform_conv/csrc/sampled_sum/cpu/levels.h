@@ -26,8 +26,8 @@ struct SampledLevels {
   std::vector<int64_t> of_point;  // [points]
 };
 
-std::vector<SampledLevel> read_levels(const SampledSumSizes& s, const at::Tensor& spatial_shapes,
-                                      const at::Tensor& level_start_index) {
+std::vector<SampledLevel> read_sampled_levels(const SampledSumSizes& s, const at::Tensor& spatial_shapes,
+                                              const at::Tensor& level_start_index) {
   const at::Tensor shapes = spatial_shapes.contiguous(), starts = level_start_index.contiguous();
   const int64_t* hw = shapes.const_data_ptr<int64_t>();
   const int64_t* start = starts.const_data_ptr<int64_t>();
@@ -41,7 +41,7 @@ std::vector<SampledLevel> read_levels(const SampledSumSizes& s, const at::Tensor
 SampledLevels read_sum_levels(const SampledSumSizes& s, const at::Tensor& point_levels,
                               const at::Tensor& spatial_shapes, const at::Tensor& level_start_index) {
   const at::Tensor of_point = point_levels.contiguous();
-  SampledLevels t{read_levels(s, spatial_shapes, level_start_index), {}};
+  SampledLevels t{read_sampled_levels(s, spatial_shapes, level_start_index), {}};
   const int64_t* level = of_point.const_data_ptr<int64_t>();
   for (int64_t k = 0; k < s.points; ++k) {
     TORCH_INTERNAL_ASSERT(level[k] >= 0 && level[k] < s.levels, "sampled_sum: a point's level out of range");

@@ -88,7 +88,7 @@ GridCallSizes grid_call_sizes(const at::Tensor& value, const ConvGrid& grid, con
   c.s.queries = grid.out_height() * grid.out_width();
   c.s.points = grid.points();
   c.s.levels = 1;
-  c.levels = {{grid.height, grid.width, 0, true}};
+  c.levels = {{grid.height, grid.width, 0, level_fits(0, grid.height, grid.width, c.s.pixels)}};
   c.level_of_point = std::vector<int64_t>(c.s.points, 0);
   c.tables = grid_tables(grid);
   return c;
@@ -153,7 +153,7 @@ at::Tensor level_forward(const at::Tensor& value, const at::Tensor& spatial_shap
                              locations.scalar_type() == value.scalar_type()) &&
                             (weights.scalar_type() == point_dtype(value.scalar_type()) ||
                              weights.scalar_type() == locations.scalar_type()) &&
-                            points_per_level >= 1 && weights.size(3) == spatial_shapes.size(0) * points_per_level &&
+                            points_per_level >= 0 && weights.size(3) == spatial_shapes.size(0) * points_per_level &&
                             locations.size(3) >= 2 * weights.size(3),
                         "sampled_sum level_forward: bad arguments");
   SampledSumSizes s{};
@@ -164,7 +164,7 @@ at::Tensor level_forward(const at::Tensor& value, const at::Tensor& spatial_shap
   s.queries = weights.size(1);
   s.points = weights.size(3);
   s.levels = spatial_shapes.size(0);
-  const std::vector<SampledLevel> levels = read_levels(s, spatial_shapes, level_start_index);
+  const std::vector<SampledLevel> levels = read_sampled_levels(s, spatial_shapes, level_start_index);
   std::vector<int64_t> level_of_point;
   for (int64_t k = 0; k < s.points; ++k) level_of_point.push_back(k / points_per_level);
   const at::Tensor v = value.contiguous();
@@ -200,10 +200,11 @@ at::Tensor level_forward(const at::Tensor& value, const at::Tensor& spatial_shap
 
 // Value's gradient into grad_value (every element of the levels' pixels written once) and the points' through
 // point_grads: tasks (image, group, level) split between threads.
-template <typename scalar_t, typename Points, typename PointGrads>
-void backward_tasks(const SampledSumSizes& s, const std::vector<SampledLevel>& levels,
-                    const std::vector<int64_t>& level_of_point, const scalar_t* value, Points points,
-                    const scalar_t* grad_output, scalar_t* grad_value, PointGrads point_grads, BorderGradient border) {
+template <typename scalar_t>
+void sampled_backward_tasks(const SampledSumSizes& s, const std::vector<SampledLevel>& levels,
+                            const std::vector<int64_t>& level_of_point, const scalar_t* value,
+                            const PointSource<scalar_t>& points, const scalar_t* grad_output, scalar_t* grad_value,
+                            const PointGrads<at::opmath_type<scalar_t>>& point_grads, BorderGradient border) {
   using acc_t = at::opmath_type<scalar_t>;
   int64_t largest = 0;
   for (const SampledLevel& level : levels) {
@@ -234,11 +235,12 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_output, const
   at::Tensor grad_points = at::empty(pts.sizes(), pts.options());
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    backward_tasks<scalar_t>(s, t.levels, t.of_point, v.const_data_ptr<scalar_t>(),
-                             stored_points<scalar_t>(pts, s.groups, s.points),
-                             g.const_data_ptr<scalar_t>(), grad_value.mutable_data_ptr<scalar_t>(),
-                             PointGrads<acc_t>{false, s.groups, s.points, grad_points.mutable_data_ptr<acc_t>()},
-                             border);
+    sampled_backward_tasks<scalar_t>(s, t.levels, t.of_point, v.const_data_ptr<scalar_t>(),
+                                     stored_points<scalar_t>(pts, s.groups, s.points), g.const_data_ptr<scalar_t>(),
+                                     grad_value.mutable_data_ptr<scalar_t>(),
+                                     PointGrads<acc_t>{false, s.groups, s.points,
+                                                       grad_points.mutable_data_ptr<acc_t>()},
+                                     border);
   });
   return {grad_value, grad_points};
 }
@@ -263,9 +265,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grid_backward(const at::Tensor& g
                                   grad_weights.mutable_data_ptr<acc_t>(), layout,
                                   static_cast<acc_t>(grid.offset_scale)};
     std::vector<acc_t> tables[4];
-    backward_tasks<scalar_t>(s, c.levels, c.level_of_point, v.const_data_ptr<scalar_t>(),
-                             grid_source<scalar_t>(c, grid, layout, offsets, weights, tables),
-                             g.const_data_ptr<scalar_t>(), grad_value.mutable_data_ptr<scalar_t>(), grads, border);
+    sampled_backward_tasks<scalar_t>(s, c.levels, c.level_of_point, v.const_data_ptr<scalar_t>(),
+                                     grid_source<scalar_t>(c, grid, layout, offsets, weights, tables),
+                                     g.const_data_ptr<scalar_t>(), grad_value.mutable_data_ptr<scalar_t>(), grads,
+                                     border);
   });
   return {grad_value, grad_offsets, grad_weights};
 }

@@ -60,10 +60,10 @@ inline void sum_backward_interior(acc_t x, acc_t y, acc_t w, int64_t width, cons
 // Tasks (image, group, level) [begin, end): the task's slice of value's gradient is summed in `grad_slice` (the
 // accumulation type) and written once, rounded. `grad` holds D values, `grad_slice` the largest level's pixels * D,
 // `x`, `y` and `weight` K points.
-template <typename scalar_t, typename Points, typename PointGrads>
+template <typename scalar_t, typename Points, typename Grads>
 void sum_backward_tasks_body(const SampledSumSizes& s, const SampledLevel* levels, const int64_t* level_of_point,
                              const scalar_t* value, Points points, const scalar_t* grad_output, scalar_t* grad_value,
-                             PointGrads point_grads, BorderGradient border, int64_t begin, int64_t end,
+                             Grads point_grads, BorderGradient border, int64_t begin, int64_t end,
                              at::opmath_type<scalar_t>* __restrict__ grad,
                              at::opmath_type<scalar_t>* __restrict__ grad_slice, at::opmath_type<scalar_t>* x,
                              at::opmath_type<scalar_t>* y, at::opmath_type<scalar_t>* weight) {
