@@ -33,9 +33,8 @@ from hypothesis import strategies as st
 from helpers.common import hypothesis_profile
 from helpers.family import (GRAD_NAMES, PUBLIC, REFERENCE, Case, assert_all_close, assert_identical,
                             dcnv4_from_dcnv3, grad_output_for, make_dcnv3, make_flash, out_size, output_and_grads,
-                            unpack_offset_mask)
+                            softmax_then_ms_deform_attn, unpack_offset_mask)
 
-import deform_conv
 
 PROFILE = hypothesis_profile(400)
 INVARIANCE = settings(PROFILE, max_examples=max(1, PROFILE.max_examples // 4))
@@ -303,15 +302,6 @@ def flash_cases(draw) -> Tuple[Case, dict]:
     )
     kwargs["high"] = kwargs["low"] + draw(st.floats(0.0, 2.5))
     return make_flash(torch.float64, **kwargs), kwargs
-
-
-def softmax_then_ms_deform_attn(value, spatial_shapes, level_start_index, sampling_loc_attn, n_points):
-    n, lq, g, _ = sampling_loc_attn.shape
-    levels = spatial_shapes.shape[0]
-    points = levels * n_points
-    locations = sampling_loc_attn[..., : 2 * points].reshape(n, lq, g, levels, n_points, 2)
-    weights = sampling_loc_attn[..., 2 * points:].softmax(-1).reshape(n, lq, g, levels, n_points)
-    return deform_conv.ms_deform_attn(value, spatial_shapes, level_start_index, locations, weights)
 
 
 @INVARIANCE

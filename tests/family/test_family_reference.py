@@ -12,7 +12,7 @@ import torch
 
 from helpers.family import (GRAD_NAMES, PUBLIC, REFERENCE, Case, assert_all_close, assert_identical, assert_within,
                             dcnv4_from_dcnv3, float32_bound, make_dcnv3, make_dcnv4, make_flash, output_and_grads,
-                            unpack_offset_mask)
+                            softmax_then_ms_deform_attn, unpack_offset_mask)
 
 import deform_conv
 
@@ -140,17 +140,9 @@ def test_flash_deform_attn_is_softmax_then_ms_deform_attn(name):
     over a group's levels and points: the same output and gradients in float64."""
     case = make_flash(**FLASH_CASES[name])
     n_points = case.args[4]
-
-    def composed(value, spatial_shapes, level_start_index, sampling_loc_attn, n_points):
-        n, lq, g, _ = sampling_loc_attn.shape
-        levels = spatial_shapes.shape[0]
-        points = levels * n_points
-        locations = sampling_loc_attn[..., : 2 * points].reshape(n, lq, g, levels, n_points, 2)
-        weights = sampling_loc_attn[..., 2 * points:].softmax(-1).reshape(n, lq, g, levels, n_points)
-        return deform_conv.ms_deform_attn(value, spatial_shapes, level_start_index, locations, weights)
-
     assert n_points == FLASH_CASES[name]["n_points"]
-    assert_all_close(output_and_grads(PUBLIC["flash_deform_attn"], case), output_and_grads(composed, case),
+    assert_all_close(output_and_grads(PUBLIC["flash_deform_attn"], case),
+                     output_and_grads(softmax_then_ms_deform_attn, case),
                      GRAD_NAMES["flash_deform_attn"], **TOL)
 
 

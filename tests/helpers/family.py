@@ -148,6 +148,17 @@ def make_case(op: str, dtype=torch.float64, **kwargs) -> Case:
 # ---------------------------------------------------------------------------------------------------- running
 
 
+def softmax_then_ms_deform_attn(value, spatial_shapes, level_start_index, sampling_loc_attn, n_points):
+    """flash_deform_attn as its definition composes it: a softmax over each group's levels and points, then
+    ms_deform_attn."""
+    n, lq, g, _ = sampling_loc_attn.shape
+    levels = spatial_shapes.shape[0]
+    points = levels * n_points
+    locations = sampling_loc_attn[..., : 2 * points].reshape(n, lq, g, levels, n_points, 2)
+    weights = sampling_loc_attn[..., 2 * points:].softmax(-1).reshape(n, lq, g, levels, n_points)
+    return deform_conv.ms_deform_attn(value, spatial_shapes, level_start_index, locations, weights)
+
+
 def grad_output_for(out: torch.Tensor, seed: int = 1) -> torch.Tensor:
     # Drawn in float64, then cast: the same values for every dtype and implementation.
     g = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))

@@ -72,6 +72,9 @@ SampledSumSizes make_sampled_sum_sizes(const at::Tensor& value, const at::Tensor
                                        const at::Tensor& point_levels, const at::Tensor& spatial_shapes,
                                        const at::Tensor& level_start_index);
 
+// The sizes of a call on `value` [N, S, G, D] with `queries` rows of `points` points in `levels` levels.
+SampledSumSizes sampled_sum_sizes(const at::Tensor& value, int64_t queries, int64_t points, int64_t levels);
+
 // The dtype points are computed in for a value of `dtype`: float64 for float64, else float32.
 at::ScalarType point_dtype(at::ScalarType dtype);
 

@@ -80,14 +80,7 @@ GridCallSizes grid_call_sizes(const at::Tensor& value, const ConvGrid& grid, con
                              offsets.scalar_type() == value.scalar_type()),
                         "sampled_sum on a grid: bad arguments");
   GridCallSizes c;
-  c.s = SampledSumSizes{};
-  c.s.batch = value.size(0);
-  c.s.pixels = value.size(1);
-  c.s.groups = value.size(2);
-  c.s.channels = value.size(3);
-  c.s.queries = grid.out_height() * grid.out_width();
-  c.s.points = grid.points();
-  c.s.levels = 1;
+  c.s = sampled_sum_sizes(value, grid.out_height() * grid.out_width(), grid.points(), 1);
   c.levels = {{grid.height, grid.width, 0, level_fits(0, grid.height, grid.width, c.s.pixels)}};
   c.level_of_point = std::vector<int64_t>(c.s.points, 0);
   c.tables = grid_tables(grid);
@@ -154,16 +147,11 @@ at::Tensor level_forward(const at::Tensor& value, const at::Tensor& spatial_shap
                             (weights.scalar_type() == point_dtype(value.scalar_type()) ||
                              weights.scalar_type() == locations.scalar_type()) &&
                             points_per_level >= 0 && weights.size(3) == spatial_shapes.size(0) * points_per_level &&
-                            locations.size(3) >= 2 * weights.size(3),
+                            locations.size(3) >= 2 * weights.size(3) && weights.size(0) == value.size(0) &&
+                            weights.size(2) == value.size(2) && locations.size(0) == value.size(0) &&
+                            locations.size(1) == weights.size(1) && locations.size(2) == value.size(2),
                         "sampled_sum level_forward: bad arguments");
-  SampledSumSizes s{};
-  s.batch = value.size(0);
-  s.pixels = value.size(1);
-  s.groups = value.size(2);
-  s.channels = value.size(3);
-  s.queries = weights.size(1);
-  s.points = weights.size(3);
-  s.levels = spatial_shapes.size(0);
+  const SampledSumSizes s = sampled_sum_sizes(value, weights.size(1), weights.size(3), spatial_shapes.size(0));
   const std::vector<SampledLevel> levels = read_sampled_levels(s, spatial_shapes, level_start_index);
   std::vector<int64_t> level_of_point;
   for (int64_t k = 0; k < s.points; ++k) level_of_point.push_back(k / points_per_level);
