@@ -46,7 +46,8 @@ def aot_setup_args() -> dict:
         written = _sources.write_units(variant.kind, str(_variant.CSRC), str(units))
         sources = [str(Path(path).relative_to(HERE)) for path in written]
         cxx_version = _toolchain.identify(_toolchain.find_cxx(), None)
-        args = dict(extra_compile_args={"cxx": list(_sources.CXX_FLAGS), "nvcc": list(_sources.NVCC_FLAGS)},
+        args = dict(extra_compile_args={"cxx": _compile.compiler_flags(variant, cxx_version),
+                                        "nvcc": list(_sources.NVCC_FLAGS)},
                     extra_link_args=_compile.link_flags(variant, cxx_version))
         make = CUDAExtension if variant.kind == "cuda" else CppExtension
         extensions.append((variant, make(f"deform_conv._prebuilt.{variant.kind}", sources, **args)))

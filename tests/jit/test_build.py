@@ -30,6 +30,7 @@ def test_entry_name_changes_with_every_key_input(kind):
         "sources_sha256": "0" * 64,
         "units": {"all": ["ops.cpp"]},
         "cxx_flags": ["-O2"],
+        "gcc_cxx_flags": [],
         "ld_flags": [],
         "torch_version": "2.99.0",
         "torch_cxx11_abi": not environment["torch_cxx11_abi"],
@@ -47,6 +48,19 @@ def test_entry_name_changes_with_every_key_input(kind):
     for key, value in changed_tools.items():
         names.add(_variant.entry_name(variant, environment, {**tools, key: value}))
     assert len(names) == 1 + len(changed_environment) + len(changed_tools)
+
+
+def test_this_process_writes_a_host_librarys_ninja_file(tmp_path):
+    """A CPU build's ninja file is written by the importing process with cpp_extension's own (internal)
+    functions, so that the build's child runs ninja at once instead of importing torch first (seconds of every
+    cold build): they are still what compile.write_build_file calls them as."""
+    source = tmp_path / "unit.cpp"
+    args = dict(name="deform_conv_cpu", sources=[str(source)], extra_cflags=["-O3", "-ffp-contract=off"],
+                extra_ldflags=["-Wl,--as-needed"], build_directory=str(tmp_path))
+    assert _compile.write_build_file(args)
+    ninja = (tmp_path / "build.ninja").read_text()
+    assert f"build unit.o: compile {source}" in ninja and "-ffp-contract=off" in ninja
+    assert "-Wl,--as-needed" in ninja and "-ltorch_cpu" in ninja and "build deform_conv_cpu.so: link unit.o" in ninja
 
 
 def test_source_and_header_edits_change_the_key(tmp_path, monkeypatch):

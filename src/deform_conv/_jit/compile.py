@@ -10,7 +10,9 @@ stops the build (SIGTERM to its group, then SIGKILL). When the importer is inter
 
 from __future__ import annotations
 
+import inspect
 import json
+import logging
 import os
 import re
 import signal
@@ -27,10 +29,9 @@ from .errors import BuildError
 from .progress import Elapsed
 from .variant import CSRC, Variant, unit_of
 
-# Runs in the child: cpp_extension.load always loads what it built, and the importer must load only the published
-# library (and a CLI prebuild for other GPU archs must not load at all).
-_CHILD = """
-import json, os, signal, sys, threading, time
+# The child's watchdog: stops the build when the importer is gone.
+_WATCHDOG = """
+import json, os, signal, subprocess, sys, threading, time
 
 def stop_the_build():
     # SIGTERM first: ninja runs each compile in a process group of its own and, on SIGTERM, passes it to them.
@@ -51,6 +52,19 @@ def watch(fd):
     stop_the_build()  # end of file: the importer is gone
 
 threading.Thread(target=watch, args=(int(sys.argv[2]),), daemon=True).start()
+"""
+
+# The child of a build whose ninja file this process wrote (write_build_file): ninja, without importing torch
+# (which would cost the child seconds before its first compile).
+_CHILD_RUNS_NINJA = _WATCHDOG + """
+sys.stdout.flush()
+sys.exit(1 if subprocess.run(json.loads(sys.argv[1])).returncode else 0)
+"""
+
+# The child of a CUDA build: cpp_extension.load, which sets up nvcc from the child's environment (CUDA_HOME,
+# TORCH_CUDA_ARCH_LIST) as it imports. It always loads what it built, and the importer must load only the
+# published library (and a CLI prebuild for other GPU archs must not load at all): so, in a child.
+_CHILD_LOADS = _WATCHDOG + """
 from torch.utils import cpp_extension
 try:
     cpp_extension.load(**json.loads(sys.argv[1]))
@@ -81,6 +95,12 @@ def _build_environment(variant: Variant) -> Dict[str, str]:
     return env
 
 
+def compiler_flags(variant: Variant, cxx_version: str) -> List[str]:
+    """The key's compile flags plus GCC's own where the compiler is GCC (the key records both, and the
+    compiler)."""
+    return list(variant.cxx_flags) + (list(_sources.GCC_CXX_FLAGS) if _toolchain.is_gcc(cxx_version) else [])
+
+
 def link_flags(variant: Variant, cxx_version: str) -> List[str]:
     """The key's link flags plus the OpenMP runtime torch itself loaded, named by path so that our parallel
     regions and torch's share one runtime and one thread count (on aarch64, PyPI's torch ships libgomp under a
@@ -105,7 +125,7 @@ def run(variant: Variant, directory: Path, tools: Dict[str, str], show_progress:
         # change from one build to the next (an incremental build recompiles a unit whose command changed).
         sources=_sources.write_units(variant.kind, str(CSRC), str(_cache.own_directory(directory.parent,
                                                                                         _cache.UNITS_DIR))),
-        extra_cflags=list(variant.cxx_flags),
+        extra_cflags=compiler_flags(variant, tools["cxx"]),
         extra_ldflags=link_flags(variant, tools["cxx"]),
         build_directory=str(directory),
         is_python_module=False,
@@ -119,7 +139,11 @@ def run(variant: Variant, directory: Path, tools: Dict[str, str], show_progress:
     # The watchdog's pipe. A process this one forks while the build runs holds a copy of the write end, so the
     # watchdog then sees only the death of both; the interrupt path below does not depend on it.
     watchdog_read, watchdog_write = os.pipe()
-    command = [sys.executable, "-c", _CHILD, json.dumps(args), str(watchdog_read)]
+    if variant.kind != "cuda" and write_build_file(args):
+        command = [sys.executable, "-c", _CHILD_RUNS_NINJA, json.dumps(["ninja", "-v", "-j", env["MAX_JOBS"]])]
+    else:
+        command = [sys.executable, "-c", _CHILD_LOADS, json.dumps(args)]
+    command.append(str(watchdog_read))
     with os.fdopen(log_fd, "w") as log, Elapsed(f"compiling the {variant.label}", quiet=verbose or not show_progress):
         try:
             try:
@@ -145,6 +169,38 @@ def run(variant: Variant, directory: Path, tools: Dict[str, str], show_progress:
             os.close(watchdog_write)
     if returncode != 0:
         raise CompileFailed(returncode, int(env["MAX_JOBS"]))
+
+
+def write_build_file(args: Dict) -> bool:
+    """Writes the ninja file that ``cpp_extension.load(**args)`` would write for a host-compiled library, with
+    cpp_extension's own functions, in this process (which has imported torch already). False where this torch's
+    functions differ from those (they are internal): the child then runs cpp_extension.load itself."""
+    # Its import warns where it finds no CUDA runtime, which a CPU build does not use (the warning went to the
+    # build log while the child imported it).
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        logger.setLevel(level)
+
+    def call(function, **kwargs):
+        accepted = inspect.signature(function).parameters
+        return function(**{name: value for name, value in kwargs.items() if name in accepted})
+
+    common = dict(with_cuda=False, with_sycl=False, is_standalone=False)
+    try:
+        cpp_extension.verify_ninja_availability()
+        ldflags = call(cpp_extension._prepare_ldflags, extra_ldflags=list(args["extra_ldflags"]), verbose=False,
+                       **common)
+        call(cpp_extension._write_ninja_file_to_build_library,
+             path=os.path.join(args["build_directory"], "build.ninja"), name=args["name"], sources=args["sources"],
+             extra_cflags=args["extra_cflags"], extra_cuda_cflags=[], extra_sycl_cflags=[], extra_ldflags=ldflags,
+             extra_include_paths=[], **common)
+    except (AttributeError, TypeError):  # internal functions renamed or re-signed
+        return False
+    return True
 
 
 def unit_seconds(directory: Path, since: float) -> Dict[str, float]:

@@ -5,8 +5,9 @@ by path.
 A library is compiled as a few translation units ("units"), each the sources of one concern of one op (or of a
 group of ops that take the same headers: UNIT_GROUPS) included one after another. torch's headers, not our code,
 dominate the compile (a unit holding nothing but <ATen/ATen.h> and <torch/library.h> takes 6.8 s on a 2-core
-Xeon, and nvcc parses a header several times), so they are parsed once a unit instead of once a file: only the
-registration units see torch/library.h; the kernels see ATen/core/Tensor.h and the few ATen functions they call,
+Xeon, and nvcc parses a header several times), so they are parsed once a unit instead of once a file. In the CPU
+library the registration (torch/library.h) and every op's host code (which calls torch's operators: their
+headers cost seconds) share one unit; the kernels see ATen/core/Tensor.h (its methods create their outputs), and
 the CUDA kernels no torch header beyond c10's Half and BFloat16. A unit's sources share one translation unit, so
 their file-local names must differ.
 
@@ -28,20 +29,22 @@ OPS = ("deform_conv2d", "ms_deform_attn", "dcnv3", "dcnv4", "flash_deform_attn")
 # Folders compiled together, as one unit per library and kind (named after the group), because they take the same
 # headers: a unit's headers cost seconds, its own code little. csrc/sampled_sum/ holds the kernels DCNv3, DCNv4 and
 # FlashDeformAttn share, laid out as an op's folder; those ops have no kernels of their own (their host code,
-# csrc/<op>/*.cpp, is written once for every backend), and multi-scale deformable attention's kernels read the
-# same channels-last layout (its float32-points path calls the family's). Their file-local names must differ.
+# csrc/<op>/*.cpp, is written once for every backend), and multi-scale deformable attention's CPU backend runs on
+# them too (its CUDA kernels are its own). Their file-local names must differ.
 UNIT_GROUPS = {"attention": ("sampled_sum", "ms_deform_attn", "dcnv3", "dcnv4", "flash_deform_attn")}
 
 # Sources of an op's CPU kernels compiled as a unit of their own (<op>_cpu_sampling), apart from the op's other
 # CPU sources: code generation, not headers, is what these cost (their loops are compiled for three instruction
-# sets, for each dtype), and as two units of about equal cost they keep both cores of a 2-core machine busy
+# sets, for each dtype). The split keeps both cores of a 2-core machine busy to the end: this unit and the
+# registration on one, the attention kernels and the op's other CPU sources on the other, about equal
 # (benchmarks/results/loader.md has each unit's time).
 CPU_SAMPLING_UNITS = {
-    "deform_conv2d": ("cpu/sampling_passes.cpp", "cpu/depthwise.cpp", "cpu/transpose.cpp"),
+    "deform_conv2d": ("cpu/sampling_passes.cpp", "cpu/depthwise.cpp", "cpu/transpose.cpp", "cpu/tiled_forward.cpp"),
 }
 
-# The registration units: the only ones that include torch/library.h. The CUDA library's goes with what its host
-# code asks of CUDA (cuda/host.cpp: the current stream, the launch check); the simulation's with its execution layer.
+# The registration units: the only ones that include torch/library.h. The CPU library's goes with every op's host
+# code; the CUDA library's with what its host code asks of CUDA (cuda/host.cpp: the current stream, the launch
+# check); the simulation's with its execution layer.
 CPU_REGISTRATION = "ops.cpp"
 CUDA_REGISTRATION = ("ops_cuda.cpp", "cuda/host.cpp")
 SIMULATION_LAYER = ("cuda_simulation/ops_sim.cpp", "cuda_simulation/simt.cpp")
@@ -61,6 +64,13 @@ SIMULATION_LAYER = ("cuda_simulation/ops_sim.cpp", "cuda_simulation/simt.cpp")
 # whole library, not a per-function attribute: GCC does not inline a function into one compiled with other
 # optimisation options, so an attribute would have to sit on every function of a kernel down to sampling.h's.
 CXX_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math")
+# GCC's only (compile.compiler_flags adds them where the compiler is GCC): no vectorised copy of a vectorised
+# loop's remainder, only the scalar one. It cuts the kernels' code by an eighth and the CPU library's cold build
+# by about 3 s of 20 on a 2-core Xeon, with no measurable change in their speed (their channel loops are
+# multiples of the vector width in the models they serve; benchmarks/results/loader.md) and none in any result:
+# a remainder is computed element by element either way, and an omp simd reduction adds it after the vector
+# partial sums either way.
+GCC_CXX_FLAGS = ("--param=vect-epilogues-nomask=0",)
 LD_FLAGS = ("-fopenmp", "-Wl,--as-needed")
 # No --use_fast_math: it changes results (division, denormals) and NaN handling. -Xptxas=-v: ptxas reports each
 # kernel's registers, stack frame and spills in build.log (the tests check that no kernel uses local memory).
@@ -100,18 +110,21 @@ def units(kind, csrc):
     the registration."""
     folders = _unit_folders()
     if kind == "cpu":
-        found = {}
-        # The groups' units first: each holds several ops' kernels, the longest compile of the library (ninja
-        # starts the units in this order, two at a time on two cores).
-        ordered = sorted(folders.items(), key=lambda item: item[0] not in UNIT_GROUPS)
-        for prefix, fs in ordered:
+        # ninja starts the units in this order, two at a time on two cores: first the code generation (the
+        # groups' kernels, several ops' each, the longest unit; then the sampling units), then the registration
+        # with every op's host code (the code that calls torch's operators and so takes their headers, seconds of
+        # every unit that includes them, which the kernels' units need not include), then the other kernels,
+        # which fill the gaps (benchmarks/results/loader.md has each unit's time).
+        generated, rest = {}, {}
+        for prefix, fs in sorted(folders.items(), key=lambda item: item[0] not in UNIT_GROUPS):
             apart = tuple(f"{prefix}/{name}" for name in CPU_SAMPLING_UNITS.get(prefix, ()))
+            kernels = tuple(s for s in _sources(csrc, fs, "cpu", ".cpp") if s not in apart)
             if apart:
-                found[f"{prefix}_cpu_sampling"] = apart
-            sources = _sources(csrc, fs, None, ".cpp") + _sources(csrc, fs, "cpu", ".cpp")
-            found[f"{prefix}_cpu"] = tuple(s for s in sources if s not in apart)
-        found["ops"] = (CPU_REGISTRATION,)
-        return found
+                generated[f"{prefix}_cpu_sampling"] = apart
+            (generated if prefix in UNIT_GROUPS else rest)[f"{prefix}_cpu"] = kernels
+        every_folder = tuple(folder for fs in folders.values() for folder in fs)
+        registration = {"ops": (CPU_REGISTRATION,) + _sources(csrc, every_folder, None, ".cpp")}
+        return {**generated, **registration, **rest}
     if kind in ("cuda", "cuda_simulation"):
         # Each op's CUDA kernels (.cu) and its CUDA host code as it is, with the library's registration. The
         # simulation compiles the kernels with the host compiler against its execution layer (unit_text defines

@@ -85,6 +85,7 @@ def environment_inputs(variant: Variant) -> Dict[str, object]:
         "sources_sha256": sources_sha256(),
         "units": {name: list(sources) for name, sources in variant.units.items()},
         "cxx_flags": list(variant.cxx_flags),
+        "gcc_cxx_flags": list(_sources.GCC_CXX_FLAGS),  # added where the compiler (in the key too) is GCC
         "ld_flags": list(variant.ld_flags),
         "torch_version": torch.__version__,
         "torch_cxx11_abi": torch.compiled_with_cxx11_abi(),

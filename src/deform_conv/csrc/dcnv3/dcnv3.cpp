@@ -5,16 +5,11 @@
 
 #include <string>
 
+#include "../pair_check.h"
 #include "../sampled_sum/checks.h"
 
 namespace deform_conv {
 namespace {
-
-void check_pair(at::IntArrayRef pair, const char* name, int64_t minimum) {
-  TORCH_CHECK(pair.size() == 2, name, " must be a pair (height, width), got ", pair);
-  TORCH_CHECK(pair[0] >= minimum && pair[1] >= minimum, name, " must be >= ", minimum, " in both dimensions, got ",
-              pair);
-}
 
 // An int64 [levels, 2] or [levels] table on `like`'s device.
 at::Tensor long_table(std::initializer_list<int64_t> values, c10::IntArrayRef shape, const at::Tensor& like) {

@@ -2,14 +2,10 @@
 
 #include <c10/util/Exception.h>
 
+#include "../pair_check.h"
+
 namespace deform_conv {
 namespace {
-
-void check_pair(c10::IntArrayRef value, const char* name, int64_t minimum) {
-  TORCH_CHECK(value.size() == 2, name, " must have 2 elements (height, width), got ", value.size());
-  TORCH_CHECK(value[0] >= minimum && value[1] >= minimum, name, " must be >= ", minimum, " in both dimensions, got ",
-              value);
-}
 
 void check_strided(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.layout() == at::kStrided, name, " must be a dense (strided) tensor, got layout ", t.layout());

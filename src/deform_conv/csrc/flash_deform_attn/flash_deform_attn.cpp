@@ -53,11 +53,17 @@ struct FlashPoints {
   at::Tensor weights, points;  // the softmax's output [N, Lq, G, L * K] and the points [N, Lq, G, L * K, 3]
 };
 
+// The softmax over each query's levels and points of its weights' logits: [N, Lq, G, L * K], in `dtype`.
+at::Tensor flash_weights(const FlashSizes& s, const at::Tensor& sampling_loc_attn, at::ScalarType dtype) {
+  const int64_t points = s.levels * s.points;
+  return softmax_weights(sampling_loc_attn.narrow(3, 2 * points, points), dtype).contiguous();
+}
+
 FlashPoints flash_points(const FlashSizes& s, const at::Tensor& spatial_shapes, const at::Tensor& sampling_loc_attn,
                          at::ScalarType dtype) {
   const int64_t points = s.levels * s.points;
   const at::Tensor locations = sampling_loc_attn.narrow(3, 0, 2 * points).unflatten(3, {points, 2});
-  const at::Tensor weights = softmax_weights(sampling_loc_attn.narrow(3, 2 * points, points), dtype);
+  const at::Tensor weights = flash_weights(s, sampling_loc_attn, dtype);
   return {weights, level_points(locations, weights, spatial_shapes, s.points, dtype)};
 }
 
@@ -71,8 +77,7 @@ at::Tensor flash_deform_attn_forward(const SampledSumKernels& kernels, const at:
   if (kernels.level_forward != nullptr) {
     // The points read in place from the locations, beside the softmax's weights (the same points as
     // flash_points', bitwise).
-    const int64_t points = s.levels * s.points;
-    const at::Tensor weights = softmax_weights(sampling_loc_attn.narrow(3, 2 * points, points), dtype).contiguous();
+    const at::Tensor weights = flash_weights(s, sampling_loc_attn, dtype);
     const at::Tensor output = kernels.level_forward(value, spatial_shapes, level_start_index,
                                                     sampling_loc_attn.contiguous(), weights, s.points);
     return output.view({s.batch, s.queries, s.groups * s.channels});
@@ -95,7 +100,16 @@ std::tuple<at::Tensor, at::Tensor> flash_deform_attn_backward(const SampledSumKe
   family::check_device(grad_output, "grad_output", value, "value");
   family::check_shape(grad_output, "grad_output", {s.batch, s.queries, s.groups * s.channels},
                       "[N, Lq, group * group_channels]");
-  const FlashPoints p = flash_points(s, spatial_shapes, sampling_loc_attn, point_dtype(value.scalar_type()));
+  const at::ScalarType dtype = point_dtype(value.scalar_type());
+  if (kernels.level_backward != nullptr) {  // the points read in place, as the forward's
+    const at::Tensor weights = flash_weights(s, sampling_loc_attn, dtype);
+    const auto [grad_value, grad_locations, grad_weights] = kernels.level_backward(
+        grad_output.reshape({s.batch, s.queries, s.groups, s.channels}), value, spatial_shapes, level_start_index,
+        sampling_loc_attn.contiguous(), weights, s.points, BorderGradient::torchvision);
+    const at::Tensor grad = at::cat({grad_locations, softmax_weights_backward(grad_weights, weights)}, 3);
+    return {grad_value, grad.to(sampling_loc_attn.scalar_type())};
+  }
+  const FlashPoints p = flash_points(s, spatial_shapes, sampling_loc_attn, dtype);
   const auto [grad_value, grad_points] =
       kernels.backward(grad_output.reshape({s.batch, s.queries, s.groups, s.channels}), value, p.points,
                        point_levels(s.levels, s.points, value), spatial_shapes, level_start_index,

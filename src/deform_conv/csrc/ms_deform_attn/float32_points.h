@@ -1,9 +1,9 @@
 // Multi-scale deformable attention with float32 sampling locations or attention weights beside a float16/bfloat16
 // value (Deformable DETR under autocast: the value from a half Linear, the locations from float32 reference
 // points): computed on the family's shared kernels (csrc/sampled_sum/), whose points are float32 whatever the
-// value's dtype, so that no coordinate is rounded to a half type. Calls whose tensors share one dtype keep the
-// op's own backward and CUDA kernels (their CPU forward is the family's too: cpu/ms_deform_attn_cpu.cpp). Host
-// code written once for every backend, as DCNv3's (csrc/dcnv3/dcnv3.h).
+// value's dtype, so that no coordinate is rounded to a half type. The CUDA backend's path for such calls (calls
+// whose tensors share one dtype keep the op's own CUDA kernels); the CPU backend reads every call's locations in
+// place with the family's kernels (cpu/ms_deform_attn_cpu.cpp). Host code.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -4,8 +4,8 @@
 // through a softmax; each op's host code (csrc/<op>/) computes the points in float32 (float64 for a float64
 // value) with ATen's operators (points.h), whatever the value's dtype, calls these kernels, and carries the
 // points' gradients back to its own arguments. So there is one CPU and one CUDA kernel for the whole family (and
-// multi-scale deformable attention's CPU forward). (The CPU's grid_forward, grid_backward and level_forward, below,
-// read the points in place instead: the same points.)
+// multi-scale deformable attention's CPU kernels). (The CPU's grid_forward, grid_backward, level_forward and
+// level_backward, below, read the points in place instead: the same points.)
 //
 //   value        [N, S, G, D]     S = the pixels of all levels, one level after another
 //   points       [N, Q, G, K, 3]  (x, y, weight) of each point, x and y in the level's pixel coordinates
@@ -57,6 +57,12 @@ struct SampledSumKernels {
   at::Tensor (*level_forward)(const at::Tensor& value, const at::Tensor& spatial_shapes,
                               const at::Tensor& level_start_index, const at::Tensor& locations,
                               const at::Tensor& weights, int64_t points_per_level);
+  // Its backward: grad_value, and the gradients of the locations [N, Q, G, 2 * L * K] (point k's x and y at 2 * k
+  // and 2 * k + 1, whatever the layout of `locations`) and of the weights [N, Q, G, L * K], in the points' dtype.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> (*level_backward)(
+      const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
+      const at::Tensor& level_start_index, const at::Tensor& locations, const at::Tensor& weights,
+      int64_t points_per_level, BorderGradient border);
 };
 
 namespace cpu {

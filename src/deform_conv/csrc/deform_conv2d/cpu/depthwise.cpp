@@ -1,8 +1,6 @@
 #include "depthwise.h"
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
@@ -150,8 +148,8 @@ at::Tensor weight_by_tap(const ConvParams& p, const at::Tensor& weight) {
 at::Tensor depthwise_forward(const ConvParams& p, const at::Tensor& input, const at::Tensor& offset,
                              const at::Tensor& weight, const std::optional<at::Tensor>& mask,
                              const std::optional<at::Tensor>& bias) {
-  // [B, H_out, W_out, C] in memory: the rows of the pass.
-  at::Tensor output = at::empty({p.batch, p.out_channels, p.out_h, p.out_w}, input.options(), at::MemoryFormat::ChannelsLast);
+  // [B, H_out, W_out, C] in memory (the rows of the pass), seen as [B, C_out, H_out, W_out] in channels-last.
+  at::Tensor output = input.new_empty({p.batch, p.out_h, p.out_w, p.out_channels}).permute({0, 3, 1, 2});
   if (output.numel() > 0) {
     const at::Tensor input_cl = input.contiguous(at::MemoryFormat::ChannelsLast);
     const at::Tensor offset_c = offset.contiguous();
@@ -173,10 +171,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
 depthwise_backward(const ConvParams& p, const at::Tensor& grad_output, const at::Tensor& input,
                    const at::Tensor& offset, const at::Tensor& weight, const std::optional<at::Tensor>& mask,
                    bool bias_defined) {
-  at::Tensor grad_input = at::zeros({p.batch, p.height, p.width, p.in_channels}, input.options());  // channels-last
-  at::Tensor grad_offset = at::zeros(offset.sizes(), offset.options());
-  at::Tensor grad_mask = mask.has_value() ? at::zeros(mask->sizes(), mask->options()) : at::Tensor();
-  at::Tensor grad_weight_tc = at::zeros({p.taps(), p.in_channels}, weight.options());
+  at::Tensor grad_input = input.new_zeros({p.batch, p.height, p.width, p.in_channels});  // channels-last
+  at::Tensor grad_offset = offset.new_zeros(offset.sizes());
+  at::Tensor grad_mask = mask.has_value() ? mask->new_zeros(mask->sizes()) : at::Tensor();
+  at::Tensor grad_weight_tc = weight.new_zeros({p.taps(), p.in_channels});
   std::optional<at::Tensor> grad_bias;
   if (bias_defined) grad_bias = grad_output.sum({0, 2, 3});
 
@@ -189,8 +187,8 @@ depthwise_backward(const ConvParams& p, const at::Tensor& grad_output, const at:
     const at::Tensor grad_out_cl = grad_output.permute({0, 2, 3, 1}).contiguous();  // [B, H_out, W_out, C]
     const int64_t blocks = std::min(kMaxWeightBlocks, rows);
     const int64_t rows_per_block = (rows + blocks - 1) / blocks;
-    at::Tensor weight_partials = at::empty({(rows + rows_per_block - 1) / rows_per_block, p.taps(), p.in_channels},
-                                           weight.options());
+    at::Tensor weight_partials =
+        weight.new_empty({(rows + rows_per_block - 1) / rows_per_block, p.taps(), p.in_channels});
     AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "deform_conv2d_depthwise_backward_cpu", [&] {
       const SamplingInputs<scalar_t> in = pointers<scalar_t>(input_cl, offset_c, mask_c);
       at::parallel_for(0, weight_partials.size(0), 1, [&](int64_t begin, int64_t end) {

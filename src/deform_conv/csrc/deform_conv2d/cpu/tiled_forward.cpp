@@ -1,7 +1,6 @@
 #include "tiled_forward.h"
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -110,7 +109,7 @@ WeightPanels weight_panels(const ConvParams& p, const at::Tensor& weight, const 
   if constexpr (std::is_same_v<scalar_t, float>) {
     (void)gemm;
     if (out_per_group <= kPanelWidth) return {by_group, panels_per_group, 0};
-    at::Tensor panels = at::empty({p.out_channels * per_group}, weight.options());
+    at::Tensor panels = weight.new_empty({p.out_channels * per_group});
     for (int64_t g = 0; g < p.groups; ++g) {
       for (int64_t c = 0; c < out_per_group; c += kPanelWidth) {
         const int64_t width = std::min(kPanelWidth, out_per_group - c);
@@ -122,7 +121,7 @@ WeightPanels weight_panels(const ConvParams& p, const at::Tensor& weight, const 
     return {panels, panels_per_group, 0};
   } else {
     const int64_t slot = panel_slot(p);
-    at::Tensor packed = at::empty({p.groups * panels_per_group * slot}, weight.options());
+    at::Tensor packed = weight.new_empty({p.groups * panels_per_group * slot});
     const scalar_t* from = by_group.const_data_ptr<scalar_t>();
     scalar_t* to = packed.mutable_data_ptr<scalar_t>();
     for (int64_t g = 0; g < p.groups; ++g) {
@@ -141,7 +140,7 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
                             const std::optional<at::Tensor>& mask, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias) {
   constexpr bool kHalf = !std::is_same_v<scalar_t, float>;
-  at::Tensor output = at::empty({p.batch, p.out_channels, p.out_h, p.out_w}, input.options());
+  at::Tensor output = input.new_empty({p.batch, p.out_channels, p.out_h, p.out_w});
   if (output.numel() == 0) return output;
 
   const HalfGemm gemm = kHalf ? half_gemm_for(input.scalar_type()) : HalfGemm{};

@@ -1,6 +1,6 @@
 // The levels as the kernels read them on the host, and which of a level's points are interior (all four neighbours
 // inside it). Part of the family's CPU kernels: included by sampled_sum_cpu.cpp only (internal linkage), compiled in
-// one unit with multi-scale deformable attention's CPU kernels, so its names differ from those.
+// one unit with multi-scale deformable attention's CPU entry points, so its names differ from those.
 #pragma once
 
 #include <ATen/core/Tensor.h>

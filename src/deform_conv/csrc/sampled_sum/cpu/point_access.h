@@ -1,7 +1,7 @@
 // Where the kernels read the points (stored, or in place from a grid's offsets or from normalised locations) and
 // where the backward writes their gradients. Part of the family's CPU kernels: included by sampled_sum_cpu.cpp only
-// (internal linkage), compiled in one unit with multi-scale deformable attention's CPU kernels, so its names differ
-// from those.
+// (internal linkage), compiled in one unit with multi-scale deformable attention's CPU entry points, so its names
+// differ from those.
 //
 // One PointSource type and one PointGrads type, which tell the ways apart at run time (once a row or a group of
 // points), not a type for each way: every such type is a copy of the kernels that read through it, for each dtype
@@ -125,28 +125,43 @@ PointSource<scalar_t> stored_points(const at::Tensor& points, int64_t groups, in
 // Where the backward writes a point's gradient (d x, d y, d weight):
 //  - stored: into the points' gradient [N, Q, G, K, 3];
 //  - grid: into the gradients of a grid's offsets and weights (in acc_t, laid out as the offsets and weights the
-//    grid's PointSource reads): d x and d y times offset_scale, as grid_points_backward (points.cpp) computes them.
+//    grid's PointSource reads): d x and d y times offset_scale, as grid_points_backward (points.cpp) computes them;
+//  - levels: into the gradients of normalised locations [N, Q, G, K, 2] and weights [N, Q, G, K] (in acc_t): d x
+//    and d y times the size of the point's level, as level_points_backward (points.cpp) computes them.
 template <typename acc_t>
 struct PointGrads {
-  bool grid;
-  int64_t groups, points;  // stored
-  acc_t* stored;           // stored
-  acc_t *offsets, *weights;  // grid
-  GridLayout layout;         // grid
-  acc_t scale;               // grid
+  enum class Kind { stored, grid, levels } kind;
+  int64_t groups, points;        // stored, levels
+  acc_t* stored;                 // stored
+  acc_t *offsets, *weights;      // grid: offsets and weights; levels: locations and weights
+  GridLayout layout;             // grid
+  acc_t scale;                   // grid
+  const acc_t *widths, *heights;  // levels: of each point's level, [K]
 
   void write(int64_t row, int64_t g, int64_t k, acc_t dx, acc_t dy, acc_t dweight) const {
-    if (!grid) {
-      acc_t* p = stored + 3 * ((row * groups + g) * points + k);
-      p[0] = dx;
-      p[1] = dy;
-      p[2] = dweight;
-      return;
+    switch (kind) {
+      case Kind::stored: {
+        acc_t* p = stored + 3 * ((row * groups + g) * points + k);
+        p[0] = dx;
+        p[1] = dy;
+        p[2] = dweight;
+        break;
+      }
+      case Kind::grid: {
+        acc_t* offset = offsets + row * layout.offset_row + g * layout.offset_group + 2 * k;
+        offset[0] = dx * scale;
+        offset[1] = dy * scale;
+        weights[row * layout.weight_row + layout.weight_start + g * layout.weight_group + k] = dweight;
+        break;
+      }
+      case Kind::levels: {
+        const int64_t point = (row * groups + g) * points + k;
+        offsets[2 * point] = dx * widths[k];
+        offsets[2 * point + 1] = dy * heights[k];
+        weights[point] = dweight;
+        break;
+      }
     }
-    acc_t* offset = offsets + row * layout.offset_row + g * layout.offset_group + 2 * k;
-    offset[0] = dx * scale;
-    offset[1] = dy * scale;
-    weights[row * layout.weight_row + layout.weight_start + g * layout.weight_group + k] = dweight;
   }
 };
 

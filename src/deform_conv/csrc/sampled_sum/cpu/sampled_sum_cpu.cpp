@@ -1,12 +1,12 @@
-// The family's shared kernels on the CPU (sampled_sum.h): every dtype computed natively, the half types read as
-// they are and accumulated in float32 (at::opmath_type), the points in float32 (float64). Compiled in one unit
-// with multi-scale deformable attention's CPU kernels (_jit/sources.py's UNIT_GROUPS), so their file-local names
-// differ from those.
+// The family's shared kernels on the CPU (sampled_sum.h), multi-scale deformable attention's CPU backend too: every
+// dtype computed natively, the half types read as they are and accumulated in float32 (at::opmath_type), the
+// points in float32 (float64). Compiled in one unit with multi-scale deformable attention's CPU entry points
+// (_jit/sources.py's UNIT_GROUPS), so their file-local names differ from those.
 //
-// As multi-scale deformable attention's CPU kernels (csrc/ms_deform_attn/cpu/): each point's neighbours and
-// weights come from sampling.h once for all D channels of its group, the loops over channels are contiguous
-// (channels are innermost) and compiled for the widest instruction set the CPU has (DC_CPU_DISPATCH), and a point
-// whose four neighbours lie in its level takes one pass over the channels for all four.
+// Each point's neighbours and weights come from sampling.h once for all D channels of its group, the loops over
+// channels are contiguous (channels are innermost) and compiled for the widest instruction set the CPU has
+// (DC_CPU_DISPATCH), and a point whose four neighbours lie in its level takes one pass over the channels for all
+// four.
 //
 // The forward splits the rows (image, query) between threads; each output row is written once. The backward
 // splits (image, group, level) between threads: a task owns that slice of value's gradient and the gradients of
@@ -20,8 +20,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cmath>
@@ -47,7 +45,7 @@ at::Tensor forward(const at::Tensor& value, const at::Tensor& points, const at::
   const SampledSumSizes s = make_sampled_sum_sizes(value, points, point_levels, spatial_shapes, level_start_index);
   const SampledLevels t = read_sum_levels(s, point_levels, spatial_shapes, level_start_index);
   const at::Tensor v = value.contiguous(), pts = points.contiguous();
-  at::Tensor output = at::empty({s.batch, s.queries, s.groups, s.channels}, value.options());
+  at::Tensor output = value.new_empty({s.batch, s.queries, s.groups, s.channels});
   const int64_t grain = std::max<int64_t>(1, kSumPointsPerTask / std::max<int64_t>(1, s.groups * s.points));
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -119,7 +117,7 @@ at::Tensor grid_forward(const at::Tensor& value, const ConvGrid& grid, const Gri
   const GridCallSizes c = grid_call_sizes(value, grid, offsets, weights);
   const SampledSumSizes& s = c.s;
   const at::Tensor v = value.contiguous();
-  at::Tensor output = at::empty({s.batch, s.queries, s.groups, s.channels}, value.options());
+  at::Tensor output = value.new_empty({s.batch, s.queries, s.groups, s.channels});
   const int64_t grain = std::max<int64_t>(1, kSumPointsPerTask / std::max<int64_t>(1, s.groups * s.points));
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_grid_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -137,9 +135,16 @@ at::Tensor grid_forward(const at::Tensor& value, const ConvGrid& grid, const Gri
   return output;
 }
 
-at::Tensor level_forward(const at::Tensor& value, const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
-                         const at::Tensor& locations, const at::Tensor& weights, int64_t points_per_level) {
-  follow_torch_thread_count();
+// A call on points in levels read in place from normalised locations: its sizes, its levels, each point's level.
+struct LevelCallSizes {
+  SampledSumSizes s;
+  std::vector<SampledLevel> levels;
+  std::vector<int64_t> level_of_point;
+};
+
+LevelCallSizes level_call_sizes(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                                const at::Tensor& level_start_index, const at::Tensor& locations,
+                                const at::Tensor& weights, int64_t points_per_level) {
   TORCH_INTERNAL_ASSERT(value.dim() == 4 && locations.dim() == 4 && weights.dim() == 4 && locations.is_contiguous() &&
                             weights.is_contiguous() &&
                             (locations.scalar_type() == point_dtype(value.scalar_type()) ||
@@ -150,36 +155,61 @@ at::Tensor level_forward(const at::Tensor& value, const at::Tensor& spatial_shap
                             locations.size(3) >= 2 * weights.size(3) && weights.size(0) == value.size(0) &&
                             weights.size(2) == value.size(2) && locations.size(0) == value.size(0) &&
                             locations.size(1) == weights.size(1) && locations.size(2) == value.size(2),
-                        "sampled_sum level_forward: bad arguments");
-  const SampledSumSizes s = sampled_sum_sizes(value, weights.size(1), weights.size(3), spatial_shapes.size(0));
-  const std::vector<SampledLevel> levels = read_sampled_levels(s, spatial_shapes, level_start_index);
-  std::vector<int64_t> level_of_point;
-  for (int64_t k = 0; k < s.points; ++k) level_of_point.push_back(k / points_per_level);
+                        "sampled_sum on levels: bad arguments");
+  LevelCallSizes c;
+  c.s = sampled_sum_sizes(value, weights.size(1), weights.size(3), spatial_shapes.size(0));
+  c.levels = read_sampled_levels(c.s, spatial_shapes, level_start_index);
+  for (int64_t k = 0; k < c.s.points; ++k) c.level_of_point.push_back(k / points_per_level);
+  return c;
+}
+
+// The sizes of each point's level in acc_t, as level_points' per-point sizes: the int64 sizes rounded to acc_t.
+template <typename acc_t>
+struct PointLevelSizes {
+  std::vector<acc_t> widths, heights;
+  explicit PointLevelSizes(const LevelCallSizes& c) {
+    for (const int64_t level : c.level_of_point) {
+      widths.push_back(static_cast<acc_t>(c.levels[level].width));
+      heights.push_back(static_cast<acc_t>(c.levels[level].height));
+    }
+  }
+};
+
+// The PointSource of normalised locations and weights (in the points' dtype, or the value's half type).
+template <typename scalar_t>
+PointSource<scalar_t> level_source(const LevelCallSizes& c, const at::Tensor& locations, const at::Tensor& weights,
+                                   const PointLevelSizes<at::opmath_type<scalar_t>>& sizes) {
+  PointSource<scalar_t> p{};
+  p.kind = PointSource<scalar_t>::Kind::levels;
+  p.groups = c.s.groups;
+  p.points = c.s.points;
+  p.offsets = elements_of<scalar_t>(locations);
+  p.weights = elements_of<scalar_t>(weights);
+  p.widths = sizes.widths.data();
+  p.heights = sizes.heights.data();
+  p.location_group = locations.size(3);
+  return p;
+}
+
+at::Tensor level_forward(const at::Tensor& value, const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+                         const at::Tensor& locations, const at::Tensor& weights, int64_t points_per_level) {
+  follow_torch_thread_count();
+  const LevelCallSizes c =
+      level_call_sizes(value, spatial_shapes, level_start_index, locations, weights, points_per_level);
+  const SampledSumSizes& s = c.s;
   const at::Tensor v = value.contiguous();
-  at::Tensor output = at::empty({s.batch, s.queries, s.groups, s.channels}, value.options());
+  at::Tensor output = value.new_empty({s.batch, s.queries, s.groups, s.channels});
   const int64_t grain = std::max<int64_t>(1, kSumPointsPerTask / std::max<int64_t>(1, s.groups * s.points));
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_level_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    std::vector<acc_t> widths, heights;  // as level_points' per-point sizes: the int64 sizes rounded to acc_t
-    for (int64_t k = 0; k < s.points; ++k) {
-      widths.push_back(static_cast<acc_t>(levels[level_of_point[k]].width));
-      heights.push_back(static_cast<acc_t>(levels[level_of_point[k]].height));
-    }
-    const InteriorLimits<acc_t> limits = interior_limits<acc_t>(s, levels.data(), level_of_point.data());
+    const PointLevelSizes<acc_t> sizes(c);
+    const InteriorLimits<acc_t> limits = interior_limits<acc_t>(s, c.levels.data(), c.level_of_point.data());
     const scalar_t* value_data = v.const_data_ptr<scalar_t>();
     scalar_t* out = output.mutable_data_ptr<scalar_t>();
-    PointSource<scalar_t> reader{};
-    reader.kind = PointSource<scalar_t>::Kind::levels;
-    reader.groups = s.groups;
-    reader.points = s.points;
-    reader.offsets = elements_of<scalar_t>(locations);
-    reader.weights = elements_of<scalar_t>(weights);
-    reader.widths = widths.data();
-    reader.heights = heights.data();
-    reader.location_group = locations.size(3);
+    const PointSource<scalar_t> reader = level_source<scalar_t>(c, locations, weights, sizes);
     at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
       RowScratch<acc_t> scratch(s.channels, s.groups * s.points);
-      sum_rows<scalar_t>(s, levels.data(), level_of_point.data(), &limits, value_data, reader, out, begin, end,
+      sum_rows<scalar_t>(s, c.levels.data(), c.level_of_point.data(), &limits, value_data, reader, out, begin, end,
                          &scratch);
     });
   });
@@ -217,16 +247,15 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_output, const
   // Each task writes its level's pixels of value's gradient once; where the levels do not tile value's pixels
   // (never, where the ops' checks hold), the pixels outside every level keep a zero gradient.
   at::Tensor grad_value =
-      levels_tile_pixels(t.levels, s.pixels) ? at::empty(value.sizes(), value.options())
-                                             : at::zeros(value.sizes(), value.options());
+      levels_tile_pixels(t.levels, s.pixels) ? value.new_empty(value.sizes()) : value.new_zeros(value.sizes());
   // Every element is written once (sum_backward_tasks): each point belongs to one level.
-  at::Tensor grad_points = at::empty(pts.sizes(), pts.options());
+  at::Tensor grad_points = pts.new_empty(pts.sizes());
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     sampled_backward_tasks<scalar_t>(s, t.levels, t.of_point, v.const_data_ptr<scalar_t>(),
                                      stored_points<scalar_t>(pts, s.groups, s.points), g.const_data_ptr<scalar_t>(),
                                      grad_value.mutable_data_ptr<scalar_t>(),
-                                     PointGrads<acc_t>{false, s.groups, s.points,
+                                     PointGrads<acc_t>{PointGrads<acc_t>::Kind::stored, s.groups, s.points,
                                                        grad_points.mutable_data_ptr<acc_t>()},
                                      border);
   });
@@ -241,15 +270,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grid_backward(const at::Tensor& g
   const GridCallSizes c = grid_call_sizes(value, grid, offsets, weights);
   const SampledSumSizes& s = c.s;
   const at::Tensor v = value.contiguous(), g = grad_output.contiguous();
-  at::Tensor grad_value = at::empty(value.sizes(), value.options());  // the one level is the whole input
+  at::Tensor grad_value = value.new_empty(value.sizes());  // the one level is the whole input
   // Every offset and weight is written once; one tensor holding both (DCNv4's) may hold more, which stays 0.
   const at::TensorOptions options = offsets.options().dtype(point_dtype(value.scalar_type()));
   const bool one_tensor = offsets.is_same(weights);
-  at::Tensor grad_offsets = one_tensor ? at::zeros(offsets.sizes(), options) : at::empty(offsets.sizes(), options);
-  at::Tensor grad_weights = one_tensor ? grad_offsets : at::empty(weights.sizes(), options);
+  at::Tensor grad_offsets = one_tensor ? offsets.new_zeros(offsets.sizes(), options) : offsets.new_empty(offsets.sizes(), options);
+  at::Tensor grad_weights = one_tensor ? grad_offsets : weights.new_empty(weights.sizes(), options);
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_grid_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const PointGrads<acc_t> grads{true, 0, 0, nullptr, grad_offsets.mutable_data_ptr<acc_t>(),
+    const PointGrads<acc_t> grads{PointGrads<acc_t>::Kind::grid, 0, 0, nullptr, grad_offsets.mutable_data_ptr<acc_t>(),
                                   grad_weights.mutable_data_ptr<acc_t>(), layout,
                                   static_cast<acc_t>(grid.offset_scale)};
     std::vector<acc_t> tables[4];
@@ -261,10 +290,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grid_backward(const at::Tensor& g
   return {grad_value, grad_offsets, grad_weights};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> level_backward(const at::Tensor& grad_output, const at::Tensor& value,
+                                                              const at::Tensor& spatial_shapes,
+                                                              const at::Tensor& level_start_index,
+                                                              const at::Tensor& locations, const at::Tensor& weights,
+                                                              int64_t points_per_level, BorderGradient border) {
+  follow_torch_thread_count();
+  const LevelCallSizes c =
+      level_call_sizes(value, spatial_shapes, level_start_index, locations, weights, points_per_level);
+  const SampledSumSizes& s = c.s;
+  TORCH_INTERNAL_ASSERT(grad_output.sizes() == at::IntArrayRef({s.batch, s.queries, s.groups, s.channels}) &&
+                            grad_output.scalar_type() == value.scalar_type(),
+                        "sampled_sum level_backward: bad grad_output");
+  const at::Tensor v = value.contiguous(), g = grad_output.contiguous();
+  at::Tensor grad_value = levels_tile_pixels(c.levels, s.pixels) ? value.new_empty(value.sizes())
+                                                                 : value.new_zeros(value.sizes());
+  // Every element is written once: each point belongs to one level.
+  const at::TensorOptions options = weights.options().dtype(point_dtype(value.scalar_type()));
+  at::Tensor grad_locations = weights.new_empty({s.batch, s.queries, s.groups, 2 * s.points}, options);
+  at::Tensor grad_weights = weights.new_empty(weights.sizes(), options);
+  SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_level_backward_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const PointLevelSizes<acc_t> sizes(c);
+    PointGrads<acc_t> grads{};
+    grads.kind = PointGrads<acc_t>::Kind::levels;
+    grads.groups = s.groups;
+    grads.points = s.points;
+    grads.offsets = grad_locations.mutable_data_ptr<acc_t>();
+    grads.weights = grad_weights.mutable_data_ptr<acc_t>();
+    grads.widths = sizes.widths.data();
+    grads.heights = sizes.heights.data();
+    sampled_backward_tasks<scalar_t>(s, c.levels, c.level_of_point, v.const_data_ptr<scalar_t>(),
+                                     level_source<scalar_t>(c, locations, weights, sizes),
+                                     g.const_data_ptr<scalar_t>(), grad_value.mutable_data_ptr<scalar_t>(), grads,
+                                     border);
+  });
+  return {grad_value, grad_locations, grad_weights};
+}
+
 }  // namespace
 
 const SampledSumKernels& sampled_sum_kernels() {
-  static const SampledSumKernels kernels{forward, backward, grid_forward, grid_backward, level_forward};
+  static const SampledSumKernels kernels{forward, backward, grid_forward, grid_backward, level_forward,
+                                                level_backward};
   return kernels;
 }
 

@@ -174,7 +174,7 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_output, const
 
 const SampledSumKernels& sampled_sum_kernels() {
   static const SampledSumKernels kernels{forward, backward, /*grid_forward=*/nullptr, /*grid_backward=*/nullptr,
-                                         /*level_forward=*/nullptr};
+                                         /*level_forward=*/nullptr, /*level_backward=*/nullptr};
   return kernels;
 }
 
