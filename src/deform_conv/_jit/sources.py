@@ -39,7 +39,10 @@ UNIT_GROUPS = {"attention": ("sampled_sum", "ms_deform_attn", "dcnv3", "dcnv4", 
 # registration on one, the attention kernels and the op's other CPU sources on the other, about equal
 # (benchmarks/results/loader.md has each unit's time).
 CPU_SAMPLING_UNITS = {
-    "deform_conv2d": ("cpu/sampling_passes.cpp", "cpu/depthwise.cpp", "cpu/transpose.cpp", "cpu/tiled_forward.cpp"),
+    "deform_conv2d": (
+        "cpu/sampling_passes.cpp", "cpu/depthwise.cpp", "cpu/transpose.cpp", "cpu/tiled_forward.cpp",
+        "cpu/half_conversion.cpp",
+    ),
 }
 
 # The registration units: the only ones that include torch/library.h. The CPU library's goes with every op's host
