@@ -245,11 +245,12 @@ def test_an_input_without_pixels_samples_zero_on_every_path():
     assert torch.equal(out, torch.zeros(1, 2, 6, 4))
     assert torch.equal(offset_mask.grad, torch.zeros_like(offset_mask.grad))
 
-def test_flash_points_read_in_place_equal_the_materialised_ones_bitwise():
-    """The CPU forward of flash_deform_attn reads each point in place from sampling_loc_attn beside the softmax's
-    weights (sampled_sum's level_forward); ms_deform_attn with a bfloat16 value and float32 weights materialises
-    the same points first (level_points) and runs the same sums. The same values must give the same bits, with
-    the locations in float32 and in the value's bfloat16, NaN and infinite ones among them."""
+def test_flash_and_ms_deform_attn_read_locations_through_one_path_bitwise():
+    """On the CPU flash_deform_attn and ms_deform_attn (a bfloat16 value, its float32 weights beside locations in
+    float32 or bfloat16) read each point in place from the locations, through the family's level_forward and
+    level_backward, whose points are location * size - 0.5 in float32 (as points.cpp's level_points materialises
+    them for the CUDA backend). The same values must give the same bits: the output and the gradients of value
+    and locations, NaN and infinite locations among them."""
     g = torch.Generator().manual_seed(0)
     n, lq, group, channels, n_points = 2, 7, 3, 5, 2
     spatial_shapes = torch.tensor([[6, 5], [3, 4], [1, 2]])
@@ -260,14 +261,21 @@ def test_flash_points_read_in_place_equal_the_materialised_ones_bitwise():
     locations[0, 0, 0, 0, 0] = float("nan")
     locations[1, 2, 1, 3, 1] = float("inf")
     logits = torch.randn(n, lq, group, points, generator=g)
+    grad = torch.randn(n, lq, group * channels, generator=g).bfloat16()
     for location_dtype in (torch.float32, torch.bfloat16):
         loc = locations.to(location_dtype)
-        sampling_loc_attn = torch.cat([loc.flatten(3), logits.to(location_dtype)], -1)
-        in_place = deform_conv.flash_deform_attn(value, spatial_shapes, level_start_index, sampling_loc_attn,
-                                                 n_points)
-        materialised = deform_conv.ms_deform_attn(
-            value, spatial_shapes, level_start_index, loc.view(n, lq, group, levels, n_points, 2),
-            logits.to(location_dtype).float().softmax(-1).view(n, lq, group, levels, n_points))
-        assert torch.equal(in_place.isnan(), materialised.isnan()), location_dtype
-        assert torch.equal(in_place.nan_to_num(), materialised.nan_to_num()), location_dtype
-        assert in_place.isnan().any() and not in_place.isnan().all()
+        flash_value, flash_input = value.clone().requires_grad_(), torch.cat([loc.flatten(3),
+                                                                             logits.to(location_dtype)], -1)
+        flash_input.requires_grad_()
+        flash = deform_conv.flash_deform_attn(flash_value, spatial_shapes, level_start_index, flash_input, n_points)
+        flash.backward(grad)
+        msda_value, msda_loc = value.clone().requires_grad_(), loc.view(n, lq, group, levels, n_points, 2).clone()
+        msda_loc.requires_grad_()
+        weights = logits.to(location_dtype).float().softmax(-1).view(n, lq, group, levels, n_points)
+        msda = deform_conv.ms_deform_attn(msda_value, spatial_shapes, level_start_index, msda_loc, weights)
+        msda.backward(grad)
+        flash_loc_grad = flash_input.grad[..., : 2 * points].reshape(msda_loc.shape)
+        for a, b in ((flash, msda), (flash_value.grad, msda_value.grad), (flash_loc_grad, msda_loc.grad)):
+            assert torch.equal(a.isnan(), b.isnan()), location_dtype
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), location_dtype
+        assert flash.isnan().any() and not flash.isnan().all()

@@ -50,6 +50,18 @@ def test_entry_name_changes_with_every_key_input(kind):
     assert len(names) == 1 + len(changed_environment) + len(changed_tools)
 
 
+@pytest.mark.parametrize("version_line, gcc", [
+    ("c++ (Debian 12.2.0-14) 12.2.0", True), ("x86_64-linux-gnu-g++-12 (Ubuntu 12.3.0) 12.3.0", True),
+    ("Ubuntu clang version 18.1.3", False), ("icpc (ICC) 2021.10.0 20230609", False),
+    ("Intel(R) oneAPI DPC++/C++ Compiler 2024.0.0", False), ("nvc++ 24.3-0 64-bit target on x86-64 Linux", False),
+])
+def test_gcc_only_flags_reach_gcc_only(version_line, gcc):
+    """--param and the like would stop another compiler at its first unit."""
+    flags = _compile.compiler_flags(_variant.Variant("cpu"), version_line)
+    assert flags[:len(_variant.Variant("cpu").cxx_flags)] == list(_variant.Variant("cpu").cxx_flags)
+    assert ("--param=vect-epilogues-nomask=0" in flags) == gcc
+
+
 def test_this_process_writes_a_host_librarys_ninja_file(tmp_path):
     """A CPU build's ninja file is written by the importing process with cpp_extension's own (internal)
     functions, so that the build's child runs ninja at once instead of importing torch first (seconds of every

@@ -1,8 +1,10 @@
-"""How a library is compiled: torch.utils.cpp_extension in a child process that cannot outlive its importer,
-its log, and an error whose remedy matches the cause.
+"""How a library is compiled: ninja, on the build file torch.utils.cpp_extension writes, in a child process that
+cannot outlive its importer, its log, and an error whose remedy matches the cause.
 
-The child runs in a session of its own, with ninja under it (ninja puts each compile in a process group of its
-own and passes SIGTERM on to them). A watchdog thread in the child reads a pipe whose only writer is the
+For a host-compiled library (the CPU library, the CUDA simulation) this process writes the build file with
+cpp_extension's own functions and the child only runs ninja; for the CUDA library the child runs
+cpp_extension.load, which sets nvcc up from the child's environment. The child runs in a session of its own, with
+ninja under it (ninja puts each compile in a process group of its own and passes SIGTERM on to them). A watchdog thread in the child reads a pipe whose only writer is the
 importing process: when the importer dies, even by SIGKILL, the pipe reaches end-of-file and the watchdog
 stops the build (SIGTERM to its group, then SIGKILL). When the importer is interrupted (SIGINT, a notebook's
 "interrupt kernel"), it stops the build the same way and re-raises the KeyboardInterrupt.
@@ -10,7 +12,9 @@ stops the build (SIGTERM to its group, then SIGKILL). When the importer is inter
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import json
 import logging
 import os
@@ -58,7 +62,12 @@ threading.Thread(target=watch, args=(int(sys.argv[2]),), daemon=True).start()
 # (which would cost the child seconds before its first compile).
 _CHILD_RUNS_NINJA = _WATCHDOG + """
 sys.stdout.flush()
-sys.exit(1 if subprocess.run(json.loads(sys.argv[1])).returncode else 0)
+try:
+    returncode = subprocess.run(json.loads(sys.argv[1])).returncode
+except OSError as exc:
+    print(f"deform_conv build: ninja did not start: {exc}")
+    sys.exit(1)
+sys.exit(128 - returncode if returncode < 0 else returncode)  # killed by a signal: 128 + its number, as a shell
 """
 
 # The child of a CUDA build: cpp_extension.load, which sets up nvcc from the child's environment (CUDA_HOME,
@@ -135,15 +144,15 @@ def run(variant: Variant, directory: Path, tools: Dict[str, str], show_progress:
     if variant.kind == "cuda":
         args["extra_cuda_cflags"] = list(_sources.NVCC_FLAGS)
     env = _build_environment(variant)
+    if variant.kind != "cuda" and write_build_file(args):
+        script = [_CHILD_RUNS_NINJA, json.dumps(["ninja", "-v", "-j", env["MAX_JOBS"]])]
+    else:
+        script = [_CHILD_LOADS, json.dumps(args)]
     log_fd = os.open(directory / LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     # The watchdog's pipe. A process this one forks while the build runs holds a copy of the write end, so the
     # watchdog then sees only the death of both; the interrupt path below does not depend on it.
     watchdog_read, watchdog_write = os.pipe()
-    if variant.kind != "cuda" and write_build_file(args):
-        command = [sys.executable, "-c", _CHILD_RUNS_NINJA, json.dumps(["ninja", "-v", "-j", env["MAX_JOBS"]])]
-    else:
-        command = [sys.executable, "-c", _CHILD_LOADS, json.dumps(args)]
-    command.append(str(watchdog_read))
+    command = [sys.executable, "-c", *script, str(watchdog_read)]
     with os.fdopen(log_fd, "w") as log, Elapsed(f"compiling the {variant.label}", quiet=verbose or not show_progress):
         try:
             try:
@@ -173,15 +182,19 @@ def run(variant: Variant, directory: Path, tools: Dict[str, str], show_progress:
 
 def write_build_file(args: Dict) -> bool:
     """Writes the ninja file that ``cpp_extension.load(**args)`` would write for a host-compiled library, with
-    cpp_extension's own functions, in this process (which has imported torch already). False where this torch's
-    functions differ from those (they are internal): the child then runs cpp_extension.load itself."""
-    # Its import warns where it finds no CUDA runtime, which a CPU build does not use (the warning went to the
-    # build log while the child imported it).
+    cpp_extension's own functions, in this process (which has imported torch already). False where that fails,
+    for whatever reason (the functions are internal: another torch may have renamed them; no ninja): the child
+    then runs cpp_extension.load itself, which builds or reports the failure in the build's log, as it always did."""
+    # Its import warns where it finds no CUDA runtime, which a CPU build does not use (torch's logger; older
+    # torch prints to stderr): the warning went to the build log while the child imported it.
     logger = logging.getLogger("torch.utils.cpp_extension")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        from torch.utils import cpp_extension
+        with contextlib.redirect_stderr(io.StringIO()):
+            from torch.utils import cpp_extension
+    except Exception:
+        return False
     finally:
         logger.setLevel(level)
 
@@ -198,7 +211,7 @@ def write_build_file(args: Dict) -> bool:
              path=os.path.join(args["build_directory"], "build.ninja"), name=args["name"], sources=args["sources"],
              extra_cflags=args["extra_cflags"], extra_cuda_cflags=[], extra_sycl_cflags=[], extra_ldflags=ldflags,
              extra_include_paths=[], **common)
-    except (AttributeError, TypeError):  # internal functions renamed or re-signed
+    except Exception:
         return False
     return True
 

@@ -120,9 +120,11 @@ def identify(executable: str, memo_file: Optional[Path], known: Optional[Dict[st
 
 def is_gcc(version_line: str) -> bool:
     """Whether ``c++ --version``'s first line is GCC's. GCC's reads "NAME (PKGVERSION) VERSION" with whatever name
-    it was called by (c++, g++, x86_64-linux-gnu-g++-12); Clang and Intel's compilers name themselves."""
+    it was called by (c++, g++, x86_64-linux-gnu-g++-12); Clang, Intel's and NVIDIA's (PGI's) compilers name
+    themselves."""
     line = version_line.lower()
-    return not any(other in line for other in ("clang", "intel", "unusable", "no version"))
+    others = ("clang", "intel", "(icc)", "icpc", "nvc++", "pgc++", "unusable", "no version")
+    return not any(other in line for other in others)
 
 
 _OPENMP_RUNTIME = re.compile(r"^lib(gomp|omp|iomp5)([-.].*)?\.so(\.[\d.]+)?$")

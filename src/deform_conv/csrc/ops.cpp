@@ -1,7 +1,7 @@
 // The CPU library's registrations: every schema (schemas.h) and every op's CPU kernels. The one translation unit
 // of the library that sees torch/library.h (its headers cost seconds per unit), compiled with every op's host
-// code (_jit/sources.py); the kernels' units see ATen/core/Tensor.h. Autograd and fake kernels live in Python
-// (_ops/).
+// code (_jit/sources.py); the kernels' units see ATen/core/Tensor.h and the few ATen functions they call.
+// Autograd and fake kernels live in Python (_ops/).
 #include <torch/library.h>
 
 #include "dcnv3/entry_points.h"

@@ -69,7 +69,7 @@ AttentionParams make_attention_params(const at::Tensor& value, const at::Tensor&
   const auto dtype = value.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16,
               "value must be float16, bfloat16, float32 or float64, got ", dtype);
-  // Locations and weights in value's dtype, or float32 beside a half value (float32_points.h).
+  // Locations and weights in value's dtype, or float32 beside a half value (cuda/float32_points.h).
   const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
   TORCH_CHECK(sampling_locations.scalar_type() == dtype || (half && sampling_locations.scalar_type() == at::kFloat),
               "sampling_locations must have value's dtype ", dtype, half ? " or float32" : "", ", got ",

@@ -13,7 +13,7 @@ namespace cpu {
 namespace {
 
 // The locations [N, Lq, M, L * P * 2] and weights [N, Lq, M, L * P] as level_forward reads them: the weights in
-// the points' dtype or the locations' (float32 weights beside half locations widened, exactly, where they are not).
+// the points' dtype or the locations' (half weights beside float32 locations are widened to float32, exactly).
 struct LevelArguments {
   at::Tensor locations, weights;
 };

@@ -25,7 +25,7 @@
 
 #include "../../cuda/host.h"
 #include "../attention_params.h"
-#include "../float32_points.h"
+#include "float32_points.h"
 #include "launchers.h"
 
 namespace deform_conv {

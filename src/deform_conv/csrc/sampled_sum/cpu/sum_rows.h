@@ -29,10 +29,53 @@ template <typename acc_t>
 struct RowScratch {
   std::vector<acc_t> sum, sample, x, y, weight, c0, c1, c2, c3;
   std::vector<int32_t> x0, y0, interior;
+  std::vector<int64_t> top_left, down;  // a group's interior points: value's elements (of the image) and row step
   RowScratch(int64_t channels, int64_t row_points)
       : sum(channels), sample(channels), x(row_points), y(row_points), weight(row_points), c0(row_points),
-        c1(row_points), c2(row_points), c3(row_points), x0(row_points), y0(row_points), interior(row_points) {}
+        c1(row_points), c2(row_points), c3(row_points), x0(row_points), y0(row_points), interior(row_points),
+        top_left(row_points), down(row_points) {}
 };
+
+// Channels summed at once in sum_interior_group: one AVX-512 register of float32 (two of AVX2).
+constexpr int64_t kChannelBlock = 16;
+
+// The sums of a group whose K points are all interior: for each block of channels, the K points' contributions
+// added in registers, in the order of the points (the same additions, in the same order, as the point-by-point
+// loop of sum_rows_body: the same bits), and written once. Most groups of most rows are such; the point-by-point
+// loop stores and reloads the sums at every point.
+template <typename scalar_t, typename acc_t>
+inline void sum_interior_group(const RowScratch<acc_t>& r, int64_t first, int64_t count, const scalar_t* image,
+                               int64_t pixel_stride, int64_t channels, scalar_t* out) {
+  const acc_t *__restrict__ c0 = r.c0.data() + first, *__restrict__ c1 = r.c1.data() + first,
+              *__restrict__ c2 = r.c2.data() + first, *__restrict__ c3 = r.c3.data() + first;
+  const int64_t *__restrict__ top_left = r.top_left.data(), *__restrict__ down = r.down.data();
+  int64_t d0 = 0;
+  for (; d0 + kChannelBlock <= channels; d0 += kChannelBlock) {
+    acc_t block[kChannelBlock] = {};
+    for (int64_t k = 0; k < count; ++k) {
+      const scalar_t* __restrict__ v0 = image + top_left[k] + d0;
+      const scalar_t* __restrict__ v1 = v0 + pixel_stride;
+      const scalar_t* __restrict__ v2 = v0 + down[k];
+      const scalar_t* __restrict__ v3 = v2 + pixel_stride;
+#pragma omp simd
+      for (int64_t j = 0; j < kChannelBlock; ++j) {
+        block[j] += c0[k] * static_cast<acc_t>(v0[j]) + c1[k] * static_cast<acc_t>(v1[j]) +
+                    c2[k] * static_cast<acc_t>(v2[j]) + c3[k] * static_cast<acc_t>(v3[j]);
+      }
+    }
+    for (int64_t j = 0; j < kChannelBlock; ++j) out[d0 + j] = static_cast<scalar_t>(block[j]);
+  }
+  for (int64_t d = d0; d < channels; ++d) {  // the channels after the last whole block
+    acc_t sum = 0;
+    for (int64_t k = 0; k < count; ++k) {
+      const scalar_t* v0 = image + top_left[k];
+      const scalar_t* v2 = v0 + down[k];
+      sum += c0[k] * static_cast<acc_t>(v0[d]) + c1[k] * static_cast<acc_t>(v0[d + pixel_stride]) +
+             c2[k] * static_cast<acc_t>(v2[d]) + c3[k] * static_cast<acc_t>(v2[d + pixel_stride]);
+    }
+    out[d] = static_cast<scalar_t>(sum);
+  }
+}
 
 // For every point of the row (read into r.x, r.y, r.weight): whether it is interior, and if so its neighbours'
 // coefficients, computed as bilinear_point's weights times the point's weight: the same operations, the same bits.
@@ -80,6 +123,18 @@ void sum_rows_body(const SampledSumSizes& s, const SampledLevel* levels, const i
     points.read_row(row, r.x.data(), r.y.data(), r.weight.data());
     prepare_row(s.groups * s.points, limits.x.data(), limits.y.data(), r);
     for (int64_t g = 0; g < s.groups; ++g) {
+      const int64_t first = g * s.points;
+      int32_t all_interior = 1;
+      for (int64_t k = 0; k < s.points; ++k) {
+        const int64_t i = first + k;
+        all_interior &= r.interior[i];
+        r.top_left[k] = limits.first[i] + r.y0[i] * limits.row_step[i] + r.x0[i] * pixel_stride;
+        r.down[k] = limits.row_step[i];
+      }
+      if (all_interior) {
+        sum_interior_group(r, first, s.points, image_n, pixel_stride, channels, output + s.output_index(n, q, g));
+        continue;
+      }
       for (int64_t d = 0; d < channels; ++d) sum[d] = 0;
       for (int64_t k = 0; k < s.points; ++k) {
         const int64_t i = g * s.points + k;

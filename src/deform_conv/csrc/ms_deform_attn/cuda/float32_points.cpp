@@ -1,6 +1,6 @@
 #include "float32_points.h"
 
-#include "../sampled_sum/points.h"
+#include "../../sampled_sum/points.h"
 
 namespace deform_conv {
 namespace {

@@ -3,15 +3,15 @@
 // points): computed on the family's shared kernels (csrc/sampled_sum/), whose points are float32 whatever the
 // value's dtype, so that no coordinate is rounded to a half type. The CUDA backend's path for such calls (calls
 // whose tensors share one dtype keep the op's own CUDA kernels); the CPU backend reads every call's locations in
-// place with the family's kernels (cpu/ms_deform_attn_cpu.cpp). Host code.
+// place with the family's kernels (csrc/ms_deform_attn/cpu/ms_deform_attn_cpu.cpp). Host code.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <tuple>
 
-#include "../sampled_sum/sampled_sum.h"
-#include "attention_sizes.h"
+#include "../../sampled_sum/sampled_sum.h"
+#include "../attention_sizes.h"
 
 namespace deform_conv {
 
