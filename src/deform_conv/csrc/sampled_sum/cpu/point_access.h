@@ -60,7 +60,7 @@ struct PointSource {
   const acc_t* stored;                                 // stored
   Elements<scalar_t> offsets, weights;                 // grid: offsets and weights; levels: locations and weights
   GridLayout layout;                                   // grid
-  const acc_t *base_x, *base_y, *tap_x, *tap_y;        // grid
+  const acc_t *base_x, *base_y, *tap_x, *tap_y;        // grid; the taps [G * K], the K repeated for each group
   acc_t scale;                                         // grid
   int64_t out_height, out_width;                       // grid
   const acc_t *widths, *heights;                       // levels: of each point's level, [K]
@@ -107,8 +107,30 @@ struct PointSource {
       }
     }
   }
-  void read_row(int64_t row, acc_t* x, acc_t* y, acc_t* weight) const {
+  void read_row(int64_t row, acc_t* __restrict__ x, acc_t* __restrict__ y, acc_t* __restrict__ weight) const {
+    if (kind == Kind::grid && layout.offset_group == 2 * points && layout.weight_group == points) {
+      read_grid_row(row, x, y, weight);
+      return;
+    }
     for (int64_t g = 0; g < groups; ++g) read_group(row, g, x + g * points, y + g * points, weight + g * points);
+  }
+  // A grid whose groups' offsets and weights follow one another (DCNv3's layout): the row's G * K points in one
+  // loop, vectorised across them (a group's K, 9 for 3x3, are too few for a vector), computed as read_group's.
+  void read_grid_row(int64_t row, acc_t* __restrict__ x, acc_t* __restrict__ y, acc_t* __restrict__ weight) const {
+    const int64_t pixel = row % (out_height * out_width), oy = pixel / out_width, ox = pixel % out_width;
+    const acc_t bx = base_x[ox], by = base_y[oy];
+    const int64_t count = groups * points;
+    offsets.with_type(row * layout.offset_row, [&](const auto* offset) {
+#pragma omp simd
+      for (int64_t i = 0; i < count; ++i) {
+        x[i] = bx + (tap_x[i] + static_cast<acc_t>(offset[2 * i])) * scale;
+        y[i] = by + (tap_y[i] + static_cast<acc_t>(offset[2 * i + 1])) * scale;
+      }
+    });
+    weights.with_type(row * layout.weight_row + layout.weight_start, [&](const auto* w) {
+#pragma omp simd
+      for (int64_t i = 0; i < count; ++i) weight[i] = static_cast<acc_t>(w[i]);
+    });
   }
 };
 

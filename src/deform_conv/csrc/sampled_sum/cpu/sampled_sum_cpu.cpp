@@ -86,14 +86,19 @@ GridCallSizes grid_call_sizes(const at::Tensor& value, const ConvGrid& grid, con
 }
 
 // The PointSource of a grid's offsets and weights (in the points' dtype, or a half value's offsets in its own
-// type); `tables` holds its tables in acc_t, rounded once, as grid_points' are.
+// type); `tables` holds its tables in acc_t, rounded once, as grid_points' are, the taps repeated for each group
+// (so that a row's G * K points find theirs at their own index: PointSource::read_grid_row).
 template <typename scalar_t>
 PointSource<scalar_t> grid_source(const GridCallSizes& c, const ConvGrid& grid, const GridLayout& layout,
                                   const at::Tensor& offsets, const at::Tensor& weights,
                                   std::vector<at::opmath_type<scalar_t>> (&tables)[4]) {
   using acc_t = at::opmath_type<scalar_t>;
   const std::vector<double>* from[4] = {&c.tables.base_x, &c.tables.base_y, &c.tables.tap_x, &c.tables.tap_y};
-  for (int i = 0; i < 4; ++i) tables[i] = std::vector<acc_t>(from[i]->begin(), from[i]->end());
+  for (int i = 0; i < 4; ++i) {
+    const int64_t copies = i < 2 ? 1 : c.s.groups;  // the bases once, the taps for each group
+    tables[i].clear();
+    for (int64_t g = 0; g < copies; ++g) tables[i].insert(tables[i].end(), from[i]->begin(), from[i]->end());
+  }
   PointSource<scalar_t> p{};
   p.kind = PointSource<scalar_t>::Kind::grid;
   p.groups = c.s.groups;
