@@ -4,10 +4,11 @@ cannot outlive its importer, its log, and an error whose remedy matches the caus
 For a host-compiled library (the CPU library, the CUDA simulation) this process writes the build file with
 cpp_extension's own functions and the child only runs ninja; for the CUDA library the child runs
 cpp_extension.load, which sets nvcc up from the child's environment. The child runs in a session of its own, with
-ninja under it (ninja puts each compile in a process group of its own and passes SIGTERM on to them). A watchdog thread in the child reads a pipe whose only writer is the
-importing process: when the importer dies, even by SIGKILL, the pipe reaches end-of-file and the watchdog
-stops the build (SIGTERM to its group, then SIGKILL). When the importer is interrupted (SIGINT, a notebook's
-"interrupt kernel"), it stops the build the same way and re-raises the KeyboardInterrupt.
+ninja under it (ninja puts each compile in a process group of its own and passes SIGTERM on to them). A watchdog
+thread in the child reads a pipe whose only writer is the importing process: when the importer dies, even by
+SIGKILL, the pipe reaches end-of-file and the watchdog stops the build (SIGTERM to its group, then SIGKILL). When
+the importer is interrupted (SIGINT, a notebook's "interrupt kernel"), it stops the build the same way and
+re-raises the KeyboardInterrupt.
 """
 
 from __future__ import annotations

@@ -4,12 +4,12 @@ by path.
 
 A library is compiled as a few translation units ("units"), each the sources of one concern of one op (or of a
 group of ops that take the same headers: UNIT_GROUPS) included one after another. torch's headers, not our code,
-dominate the compile (a unit holding nothing but <ATen/ATen.h> and <torch/library.h> takes 6.8 s on a 2-core
-Xeon, and nvcc parses a header several times), so they are parsed once a unit instead of once a file. In the CPU
-library the registration (torch/library.h) and every op's host code (which calls torch's operators: their
-headers cost seconds) share one unit; the kernels see ATen/core/Tensor.h (its methods create their outputs) and
-the few ATen functions they call, the CUDA kernels no torch header beyond c10's Half and BFloat16. A unit's sources share one translation unit, so
-their file-local names must differ.
+dominate the compile (a unit holding nothing but <ATen/ATen.h> and <torch/library.h> takes 6.8 s on a 2-core Xeon,
+and nvcc parses a header several times), so they are parsed once a unit instead of once a file. In the CPU library
+the registration (torch/library.h) and every op's host code (which calls torch's operators: their headers cost
+seconds) share one unit; the kernels see ATen/core/Tensor.h (its methods create their outputs) and the few ATen
+functions they call, the CUDA kernels no torch header beyond c10's Half and BFloat16. A unit's sources share one
+translation unit, so their file-local names must differ.
 
 Each op lives in csrc/<op>/ and is found there by convention:
   csrc/<op>/*.cpp         host code of every backend (sizes, checks, the device-independent driver)

@@ -134,6 +134,20 @@ struct PointSource {
   }
 };
 
+// A PointSource that reads in place (grid, levels) from `offsets` (a grid's offsets, or locations) and `weights`,
+// with its kind's other fields still to set.
+template <typename scalar_t>
+PointSource<scalar_t> in_place_points(typename PointSource<scalar_t>::Kind kind, const SampledSumSizes& s,
+                                      const at::Tensor& offsets, const at::Tensor& weights) {
+  PointSource<scalar_t> p{};
+  p.kind = kind;
+  p.groups = s.groups;
+  p.points = s.points;
+  p.offsets = elements_of<scalar_t>(offsets);
+  p.weights = elements_of<scalar_t>(weights);
+  return p;
+}
+
 template <typename scalar_t>
 PointSource<scalar_t> stored_points(const at::Tensor& points, int64_t groups, int64_t count) {
   PointSource<scalar_t> p{};

@@ -99,12 +99,7 @@ PointSource<scalar_t> grid_source(const GridCallSizes& c, const ConvGrid& grid, 
     tables[i].clear();
     for (int64_t g = 0; g < copies; ++g) tables[i].insert(tables[i].end(), from[i]->begin(), from[i]->end());
   }
-  PointSource<scalar_t> p{};
-  p.kind = PointSource<scalar_t>::Kind::grid;
-  p.groups = c.s.groups;
-  p.points = c.s.points;
-  p.offsets = elements_of<scalar_t>(offsets);
-  p.weights = elements_of<scalar_t>(weights);
+  PointSource<scalar_t> p = in_place_points<scalar_t>(PointSource<scalar_t>::Kind::grid, c.s, offsets, weights);
   p.layout = layout;
   p.base_x = tables[0].data();
   p.base_y = tables[1].data();
@@ -184,12 +179,7 @@ struct PointLevelSizes {
 template <typename scalar_t>
 PointSource<scalar_t> level_source(const LevelCallSizes& c, const at::Tensor& locations, const at::Tensor& weights,
                                    const PointLevelSizes<at::opmath_type<scalar_t>>& sizes) {
-  PointSource<scalar_t> p{};
-  p.kind = PointSource<scalar_t>::Kind::levels;
-  p.groups = c.s.groups;
-  p.points = c.s.points;
-  p.offsets = elements_of<scalar_t>(locations);
-  p.weights = elements_of<scalar_t>(weights);
+  PointSource<scalar_t> p = in_place_points<scalar_t>(PointSource<scalar_t>::Kind::levels, c.s, locations, weights);
   p.widths = sizes.widths.data();
   p.heights = sizes.heights.data();
   p.location_group = locations.size(3);
@@ -279,7 +269,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grid_backward(const at::Tensor& g
   // Every offset and weight is written once; one tensor holding both (DCNv4's) may hold more, which stays 0.
   const at::TensorOptions options = offsets.options().dtype(point_dtype(value.scalar_type()));
   const bool one_tensor = offsets.is_same(weights);
-  at::Tensor grad_offsets = one_tensor ? offsets.new_zeros(offsets.sizes(), options) : offsets.new_empty(offsets.sizes(), options);
+  at::Tensor grad_offsets =
+      one_tensor ? offsets.new_zeros(offsets.sizes(), options) : offsets.new_empty(offsets.sizes(), options);
   at::Tensor grad_weights = one_tensor ? grad_offsets : weights.new_empty(weights.sizes(), options);
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_grid_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
