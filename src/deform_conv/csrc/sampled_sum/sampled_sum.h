@@ -58,7 +58,8 @@ struct SampledSumKernels {
                               const at::Tensor& level_start_index, const at::Tensor& locations,
                               const at::Tensor& weights, int64_t points_per_level);
   // Its backward: grad_value, and the gradients of the locations [N, Q, G, 2 * L * K] (point k's x and y at 2 * k
-  // and 2 * k + 1, whatever the layout of `locations`) and of the weights [N, Q, G, L * K], in the points' dtype.
+  // and 2 * k + 1, whatever the layout of `locations`) and of the weights [N, Q, G, L * K], each in the dtype of
+  // its argument.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> (*level_backward)(
       const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
       const at::Tensor& level_start_index, const at::Tensor& locations, const at::Tensor& weights,

@@ -55,7 +55,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ms_deform_attn_backward(
   const auto [grad_value, grad_locations, grad_weights] = sampled_sum_kernels().level_backward(
       grad_output.reshape({p.batch, p.queries, p.heads, p.channels}), value, spatial_shapes, level_start_index,
       a.locations, a.weights, p.points, BorderGradient::torchvision);
-  // In the points' dtype, rounded once to the arguments' own.
+  // Each in the dtype level_backward was given it in: the arguments' own, but for widened weights (rounded once).
   return {grad_value, grad_locations.view(sampling_locations.sizes()).to(sampling_locations.scalar_type()),
           grad_weights.view(attention_weights.sizes()).to(attention_weights.scalar_type())};
 }

@@ -162,17 +162,29 @@ PointSource<scalar_t> stored_points(const at::Tensor& points, int64_t groups, in
 //  - stored: into the points' gradient [N, Q, G, K, 3];
 //  - grid: into the gradients of a grid's offsets and weights (in acc_t, laid out as the offsets and weights the
 //    grid's PointSource reads): d x and d y times offset_scale, as grid_points_backward (points.cpp) computes them;
-//  - levels: into the gradients of normalised locations [N, Q, G, K, 2] and weights [N, Q, G, K] (in acc_t): d x
-//    and d y times the size of the point's level, as level_points_backward (points.cpp) computes them.
-template <typename acc_t>
+//  - levels: into the gradients of normalised locations [N, Q, G, K, 2] and weights [N, Q, G, K], each in acc_t or
+//    in the value's half type (rounded once, as the locations and weights came): d x and d y times the size of the
+//    point's level, as level_points_backward (points.cpp) computes them.
+template <typename scalar_t>
 struct PointGrads {
+  using acc_t = at::opmath_type<scalar_t>;
   enum class Kind { stored, grid, levels } kind;
-  int64_t groups, points;        // stored, levels
-  acc_t* stored;                 // stored
-  acc_t *offsets, *weights;      // grid: offsets and weights; levels: locations and weights
-  GridLayout layout;             // grid
-  acc_t scale;                   // grid
+  int64_t groups, points;         // stored, levels
+  acc_t* stored;                  // stored
+  acc_t *offsets, *weights;       // grid
+  GridLayout layout;              // grid
+  acc_t scale;                    // grid
   const acc_t *widths, *heights;  // levels: of each point's level, [K]
+  void *locations_out, *weights_out;                      // levels
+  bool locations_in_value_type, weights_in_value_type;  // levels: scalar_t elements, else acc_t
+
+  static void store(void* out, bool in_value_type, int64_t i, acc_t v) {
+    if (in_value_type) {
+      static_cast<scalar_t*>(out)[i] = static_cast<scalar_t>(v);
+    } else {
+      static_cast<acc_t*>(out)[i] = v;
+    }
+  }
 
   void write(int64_t row, int64_t g, int64_t k, acc_t dx, acc_t dy, acc_t dweight) const {
     switch (kind) {
@@ -192,9 +204,9 @@ struct PointGrads {
       }
       case Kind::levels: {
         const int64_t point = (row * groups + g) * points + k;
-        offsets[2 * point] = dx * widths[k];
-        offsets[2 * point + 1] = dy * heights[k];
-        weights[point] = dweight;
+        store(locations_out, locations_in_value_type, 2 * point, dx * widths[k]);
+        store(locations_out, locations_in_value_type, 2 * point + 1, dy * heights[k]);
+        store(weights_out, weights_in_value_type, point, dweight);
         break;
       }
     }

@@ -217,7 +217,7 @@ template <typename scalar_t>
 void sampled_backward_tasks(const SampledSumSizes& s, const std::vector<SampledLevel>& levels,
                             const std::vector<int64_t>& level_of_point, const scalar_t* value,
                             const PointSource<scalar_t>& points, const scalar_t* grad_output, scalar_t* grad_value,
-                            const PointGrads<at::opmath_type<scalar_t>>& point_grads, BorderGradient border) {
+                            const PointGrads<scalar_t>& point_grads, BorderGradient border) {
   using acc_t = at::opmath_type<scalar_t>;
   int64_t largest = 0;
   for (const SampledLevel& level : levels) {
@@ -250,8 +250,8 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_output, const
     sampled_backward_tasks<scalar_t>(s, t.levels, t.of_point, v.const_data_ptr<scalar_t>(),
                                      stored_points<scalar_t>(pts, s.groups, s.points), g.const_data_ptr<scalar_t>(),
                                      grad_value.mutable_data_ptr<scalar_t>(),
-                                     PointGrads<acc_t>{PointGrads<acc_t>::Kind::stored, s.groups, s.points,
-                                                       grad_points.mutable_data_ptr<acc_t>()},
+                                     PointGrads<scalar_t>{PointGrads<scalar_t>::Kind::stored, s.groups, s.points,
+                                                          grad_points.mutable_data_ptr<acc_t>()},
                                      border);
   });
   return {grad_value, grad_points};
@@ -274,9 +274,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grid_backward(const at::Tensor& g
   at::Tensor grad_weights = one_tensor ? grad_offsets : weights.new_empty(weights.sizes(), options);
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_grid_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const PointGrads<acc_t> grads{PointGrads<acc_t>::Kind::grid, 0, 0, nullptr, grad_offsets.mutable_data_ptr<acc_t>(),
-                                  grad_weights.mutable_data_ptr<acc_t>(), layout,
-                                  static_cast<acc_t>(grid.offset_scale)};
+    const PointGrads<scalar_t> grads{PointGrads<scalar_t>::Kind::grid, 0, 0, nullptr,
+                                     grad_offsets.mutable_data_ptr<acc_t>(), grad_weights.mutable_data_ptr<acc_t>(),
+                                     layout, static_cast<acc_t>(grid.offset_scale)};
     std::vector<acc_t> tables[4];
     sampled_backward_tasks<scalar_t>(s, c.levels, c.level_of_point, v.const_data_ptr<scalar_t>(),
                                      grid_source<scalar_t>(c, grid, layout, offsets, weights, tables),
@@ -301,21 +301,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> level_backward(const at::Tensor& 
   const at::Tensor v = value.contiguous(), g = grad_output.contiguous();
   at::Tensor grad_value = levels_tile_pixels(c.levels, s.pixels) ? value.new_empty(value.sizes())
                                                                  : value.new_zeros(value.sizes());
-  // Every element is written once: each point belongs to one level.
-  const at::TensorOptions options = weights.options().dtype(point_dtype(value.scalar_type()));
-  at::Tensor grad_locations = weights.new_empty({s.batch, s.queries, s.groups, 2 * s.points}, options);
-  at::Tensor grad_weights = weights.new_empty(weights.sizes(), options);
+  // Each in its argument's dtype (no widened copy of a half type's); every element written once: each point
+  // belongs to one level.
+  at::Tensor grad_locations = locations.new_empty({s.batch, s.queries, s.groups, 2 * s.points});
+  at::Tensor grad_weights = weights.new_empty(weights.sizes());
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_level_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const PointLevelSizes<acc_t> sizes(c);
-    PointGrads<acc_t> grads{};
-    grads.kind = PointGrads<acc_t>::Kind::levels;
+    PointGrads<scalar_t> grads{};
+    grads.kind = PointGrads<scalar_t>::Kind::levels;
     grads.groups = s.groups;
     grads.points = s.points;
-    grads.offsets = grad_locations.mutable_data_ptr<acc_t>();
-    grads.weights = grad_weights.mutable_data_ptr<acc_t>();
     grads.widths = sizes.widths.data();
     grads.heights = sizes.heights.data();
+    grads.locations_out = grad_locations.mutable_data_ptr();
+    grads.weights_out = grad_weights.mutable_data_ptr();
+    grads.locations_in_value_type = elements_of<scalar_t>(locations).in_value_type;
+    grads.weights_in_value_type = elements_of<scalar_t>(weights).in_value_type;
     sampled_backward_tasks<scalar_t>(s, c.levels, c.level_of_point, v.const_data_ptr<scalar_t>(),
                                      level_source<scalar_t>(c, locations, weights, sizes),
                                      g.const_data_ptr<scalar_t>(), grad_value.mutable_data_ptr<scalar_t>(), grads,
