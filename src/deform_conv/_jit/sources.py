@@ -109,8 +109,7 @@ def _sources(csrc, folders, subfolder, suffix):
 
 def units(kind, csrc):
     """The translation units of library ``kind`` ("cpu", "cuda" or "cuda_simulation"): {unit name: sources
-    relative to ``csrc``}, the longest first (ninja starts them in this order): the CUDA kernels, the CPU kernels,
-    the registration."""
+    relative to ``csrc``}, in the order ninja is to start them (see each kind below); no unit without sources."""
     folders = _unit_folders()
     if kind == "cpu":
         # ninja starts the units in this order, two at a time on two cores: first the code generation (the
@@ -127,7 +126,7 @@ def units(kind, csrc):
             (generated if prefix in UNIT_GROUPS else rest)[f"{prefix}_cpu"] = kernels
         every_folder = tuple(folder for fs in folders.values() for folder in fs)
         registration = {"ops": (CPU_REGISTRATION,) + _sources(csrc, every_folder, None, ".cpp")}
-        return {**generated, **registration, **rest}
+        return {name: sources for name, sources in {**generated, **registration, **rest}.items() if sources}
     if kind in ("cuda", "cuda_simulation"):
         # Each op's CUDA kernels (.cu) and its CUDA host code as it is, with the library's registration. The
         # simulation compiles the kernels with the host compiler against its execution layer (unit_text defines
