@@ -28,12 +28,12 @@ constexpr int64_t kSumPointsPerTask = 2048;
 template <typename acc_t>
 struct RowScratch {
   std::vector<acc_t> sum, sample, x, y, weight, c0, c1, c2, c3;
-  std::vector<int32_t> x0, y0, interior;
-  std::vector<int64_t> top_left, down;  // a group's interior points: value's elements (of the image) and row step
+  std::vector<int32_t> interior;
+  std::vector<int64_t> top_left;  // an interior point's top-left neighbour: its element of value (of the image)
   RowScratch(int64_t channels, int64_t row_points)
       : sum(channels), sample(channels), x(row_points), y(row_points), weight(row_points), c0(row_points),
-        c1(row_points), c2(row_points), c3(row_points), x0(row_points), y0(row_points), interior(row_points),
-        top_left(row_points), down(row_points) {}
+        c1(row_points), c2(row_points), c3(row_points), interior(row_points),
+        top_left(row_points) {}
 };
 
 // Channels summed at once in sum_interior_group: one AVX-512 register of float32 (two of AVX2).
@@ -44,11 +44,11 @@ constexpr int64_t kChannelBlock = 16;
 // loop of sum_rows_body: the same bits), and written once. Most groups of most rows are such; the point-by-point
 // loop stores and reloads the sums at every point.
 template <typename scalar_t, typename acc_t>
-inline void sum_interior_group(const RowScratch<acc_t>& r, int64_t first, int64_t count, const scalar_t* image,
-                               int64_t pixel_stride, int64_t channels, scalar_t* out) {
+inline void sum_interior_group(const RowScratch<acc_t>& r, int64_t first, int64_t count, const int64_t* row_step,
+                               const scalar_t* image, int64_t pixel_stride, int64_t channels, scalar_t* out) {
   const acc_t *__restrict__ c0 = r.c0.data() + first, *__restrict__ c1 = r.c1.data() + first,
               *__restrict__ c2 = r.c2.data() + first, *__restrict__ c3 = r.c3.data() + first;
-  const int64_t *__restrict__ top_left = r.top_left.data(), *__restrict__ down = r.down.data();
+  const int64_t *__restrict__ top_left = r.top_left.data() + first, *__restrict__ down = row_step + first;
   int64_t d0 = 0;
   for (; d0 + kChannelBlock <= channels; d0 += kChannelBlock) {
     acc_t block[kChannelBlock] = {};
@@ -78,14 +78,18 @@ inline void sum_interior_group(const RowScratch<acc_t>& r, int64_t first, int64_
 }
 
 // For every point of the row (read into r.x, r.y, r.weight): whether it is interior, and if so its neighbours'
-// coefficients, computed as bilinear_point's weights times the point's weight: the same operations, the same bits.
+// coefficients, computed as bilinear_point's weights times the point's weight: the same operations, the same bits,
+// and its top-left neighbour's element of value (of the image: InteriorLimits' first and row_step).
 template <typename acc_t>
-void prepare_row(int64_t row_points, const acc_t* __restrict__ limit_x,
-                 const acc_t* __restrict__ limit_y, RowScratch<acc_t>& r) {
+void prepare_row(int64_t row_points, const InteriorLimits<acc_t>& limits, int64_t pixel_stride,
+                 RowScratch<acc_t>& r) {
+  const acc_t *__restrict__ limit_x = limits.x.data(), *__restrict__ limit_y = limits.y.data();
+  const int64_t *__restrict__ first = limits.first.data(), *__restrict__ row_step = limits.row_step.data();
+  int64_t* __restrict__ top_left = r.top_left.data();
   const acc_t *__restrict__ xs = r.x.data(), *__restrict__ ys = r.y.data(), *__restrict__ ws = r.weight.data();
   acc_t *__restrict__ c0 = r.c0.data(), *__restrict__ c1 = r.c1.data(), *__restrict__ c2 = r.c2.data(),
         *__restrict__ c3 = r.c3.data();
-  int32_t *__restrict__ x0 = r.x0.data(), *__restrict__ y0 = r.y0.data(), *__restrict__ interior = r.interior.data();
+  int32_t* __restrict__ interior = r.interior.data();
 #pragma omp simd
   for (int64_t i = 0; i < row_points; ++i) {
     const acc_t x = xs[i], y = ys[i], w = ws[i];
@@ -100,9 +104,8 @@ void prepare_row(int64_t row_points, const acc_t* __restrict__ limit_x,
     c1[i] = w * (hy * lx);
     c2[i] = w * (ly * hx);
     c3[i] = w * (ly * lx);
-    y0[i] = top;
-    x0[i] = left;
     interior[i] = inside;
+    top_left[i] = first[i] + static_cast<int64_t>(top) * row_step[i] + static_cast<int64_t>(left) * pixel_stride;
   }
 }
 
@@ -121,18 +124,14 @@ void sum_rows_body(const SampledSumSizes& s, const SampledLevel* levels, const i
     const int64_t n = row / s.queries, q = row % s.queries;
     const scalar_t* image_n = value + s.value_index(n, 0, 0);
     points.read_row(row, r.x.data(), r.y.data(), r.weight.data());
-    prepare_row(s.groups * s.points, limits.x.data(), limits.y.data(), r);
+    prepare_row(s.groups * s.points, limits, pixel_stride, r);
     for (int64_t g = 0; g < s.groups; ++g) {
       const int64_t first = g * s.points;
       int32_t all_interior = 1;
-      for (int64_t k = 0; k < s.points; ++k) {
-        const int64_t i = first + k;
-        all_interior &= r.interior[i];
-        r.top_left[k] = limits.first[i] + r.y0[i] * limits.row_step[i] + r.x0[i] * pixel_stride;
-        r.down[k] = limits.row_step[i];
-      }
+      for (int64_t k = 0; k < s.points; ++k) all_interior &= r.interior[first + k];
       if (all_interior) {
-        sum_interior_group(r, first, s.points, image_n, pixel_stride, channels, output + s.output_index(n, q, g));
+        sum_interior_group(r, first, s.points, limits.row_step.data(), image_n, pixel_stride, channels,
+                           output + s.output_index(n, q, g));
         continue;
       }
       for (int64_t d = 0; d < channels; ++d) sum[d] = 0;
@@ -141,8 +140,7 @@ void sum_rows_body(const SampledSumSizes& s, const SampledLevel* levels, const i
         if (r.interior[i]) {
           // All four neighbours in the level, a finite weight: one pass, the weight folded into the bilinear
           // weights. (Elsewhere the sample is formed first, so that an infinite weight times a sample of 0 is NaN.)
-          const scalar_t* __restrict__ v0 =
-              image_n + limits.first[i] + r.y0[i] * limits.row_step[i] + r.x0[i] * pixel_stride;
+          const scalar_t* __restrict__ v0 = image_n + r.top_left[i];
           const scalar_t* __restrict__ v1 = v0 + pixel_stride;
           const scalar_t* __restrict__ v2 = v0 + limits.row_step[i];
           const scalar_t* __restrict__ v3 = v2 + pixel_stride;
