@@ -20,10 +20,11 @@ struct SampledLevel {
   bool fits;  // inside value's pixels (else its points sample NaN and read nothing)
 };
 
-// The tables a kernel reads on the host: each point's level, and the levels.
-struct SampledLevels {
+// One call of the kernels as they read it on the host: its sizes, its levels, each point's level.
+struct SampledCall {
+  SampledSumSizes s;
   std::vector<SampledLevel> levels;
-  std::vector<int64_t> of_point;  // [points]
+  std::vector<int64_t> level_of_point;  // [points]
 };
 
 std::vector<SampledLevel> read_sampled_levels(const SampledSumSizes& s, const at::Tensor& spatial_shapes,
@@ -38,16 +39,19 @@ std::vector<SampledLevel> read_sampled_levels(const SampledSumSizes& s, const at
   return levels;
 }
 
-SampledLevels read_sum_levels(const SampledSumSizes& s, const at::Tensor& point_levels,
-                              const at::Tensor& spatial_shapes, const at::Tensor& level_start_index) {
+// A call on stored points (forward, backward): each point's level from point_levels.
+SampledCall stored_call(const at::Tensor& value, const at::Tensor& points, const at::Tensor& point_levels,
+                        const at::Tensor& spatial_shapes, const at::Tensor& level_start_index) {
+  SampledCall c;
+  c.s = make_sampled_sum_sizes(value, points, point_levels, spatial_shapes, level_start_index);
+  c.levels = read_sampled_levels(c.s, spatial_shapes, level_start_index);
   const at::Tensor of_point = point_levels.contiguous();
-  SampledLevels t{read_sampled_levels(s, spatial_shapes, level_start_index), {}};
   const int64_t* level = of_point.const_data_ptr<int64_t>();
-  for (int64_t k = 0; k < s.points; ++k) {
-    TORCH_INTERNAL_ASSERT(level[k] >= 0 && level[k] < s.levels, "sampled_sum: a point's level out of range");
-    t.of_point.push_back(level[k]);
+  for (int64_t k = 0; k < c.s.points; ++k) {
+    TORCH_INTERNAL_ASSERT(level[k] >= 0 && level[k] < c.s.levels, "sampled_sum: a point's level out of range");
+    c.level_of_point.push_back(level[k]);
   }
-  return t;
+  return c;
 }
 
 // Whether the levels that fit lie one after another from pixel 0, without overlap, to `pixels`: then every pixel

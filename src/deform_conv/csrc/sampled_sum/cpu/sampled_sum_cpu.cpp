@@ -39,45 +39,50 @@ namespace {
 #define SAMPLED_SUM_DISPATCH(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, TYPE, NAME, __VA_ARGS__)
 
-at::Tensor forward(const at::Tensor& value, const at::Tensor& points, const at::Tensor& point_levels,
-                   const at::Tensor& spatial_shapes, const at::Tensor& level_start_index) {
-  follow_torch_thread_count();
-  const SampledSumSizes s = make_sampled_sum_sizes(value, points, point_levels, spatial_shapes, level_start_index);
-  const SampledLevels t = read_sum_levels(s, point_levels, spatial_shapes, level_start_index);
-  const at::Tensor v = value.contiguous(), pts = points.contiguous();
+// The forward of a call: its output, each row summed once (sum_rows), the rows split between threads.
+template <typename scalar_t>
+at::Tensor sum_all_rows(const SampledCall& c, const at::Tensor& value, const PointSource<scalar_t>& points) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const SampledSumSizes& s = c.s;
+  const at::Tensor v = value.contiguous();
   at::Tensor output = value.new_empty({s.batch, s.queries, s.groups, s.channels});
+  const InteriorLimits<acc_t> limits = interior_limits<acc_t>(s, c.levels.data(), c.level_of_point.data());
+  const scalar_t* value_data = v.const_data_ptr<scalar_t>();
+  scalar_t* out = output.mutable_data_ptr<scalar_t>();
   const int64_t grain = std::max<int64_t>(1, kSumPointsPerTask / std::max<int64_t>(1, s.groups * s.points));
-  SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* value_data = v.const_data_ptr<scalar_t>();
-    scalar_t* out = output.mutable_data_ptr<scalar_t>();
-    const PointSource<scalar_t> stored = stored_points<scalar_t>(pts, s.groups, s.points);
-    const InteriorLimits<acc_t> limits = interior_limits<acc_t>(s, t.levels.data(), t.of_point.data());
-    at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
-      RowScratch<acc_t> scratch(s.channels, s.groups * s.points);
-      sum_rows<scalar_t>(s, t.levels.data(), t.of_point.data(), &limits, value_data, stored, out, begin, end,
-                         &scratch);
-    });
+  at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
+    RowScratch<acc_t> scratch(s.channels, s.groups * s.points);
+    sum_rows<scalar_t>(s, c.levels.data(), c.level_of_point.data(), &limits, value_data, points, out, begin, end,
+                       &scratch);
   });
   return output;
 }
 
-// A grid's call: its sizes, its one level, and the points' tables in acc_t (rounded once, as grid_points' are).
-struct GridCallSizes {
-  SampledSumSizes s;
-  std::vector<SampledLevel> levels;
-  std::vector<int64_t> level_of_point;
+at::Tensor forward(const at::Tensor& value, const at::Tensor& points, const at::Tensor& point_levels,
+                   const at::Tensor& spatial_shapes, const at::Tensor& level_start_index) {
+  follow_torch_thread_count();
+  const SampledCall c = stored_call(value, points, point_levels, spatial_shapes, level_start_index);
+  const at::Tensor pts = points.contiguous();
+  at::Tensor output;
+  SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_cpu", [&] {
+    output = sum_all_rows<scalar_t>(c, value, stored_points<scalar_t>(pts, c.s.groups, c.s.points));
+  });
+  return output;
+}
+
+// A grid's call: its one level, and its tables (in float64, as grid_points' are).
+struct GridCall : SampledCall {
   GridTables tables;
 };
 
-GridCallSizes grid_call_sizes(const at::Tensor& value, const ConvGrid& grid, const at::Tensor& offsets,
+GridCall grid_call(const at::Tensor& value, const ConvGrid& grid, const at::Tensor& offsets,
                               const at::Tensor& weights) {
   TORCH_INTERNAL_ASSERT(value.dim() == 4 && value.size(1) == grid.height * grid.width && offsets.is_contiguous() &&
                             weights.is_contiguous() && weights.scalar_type() == offsets.scalar_type() &&
                             (offsets.scalar_type() == point_dtype(value.scalar_type()) ||
                              offsets.scalar_type() == value.scalar_type()),
                         "sampled_sum on a grid: bad arguments");
-  GridCallSizes c;
+  GridCall c;
   c.s = sampled_sum_sizes(value, grid.out_height() * grid.out_width(), grid.points(), 1);
   c.levels = {{grid.height, grid.width, 0, level_fits(0, grid.height, grid.width, c.s.pixels)}};
   c.level_of_point = std::vector<int64_t>(c.s.points, 0);
@@ -89,7 +94,7 @@ GridCallSizes grid_call_sizes(const at::Tensor& value, const ConvGrid& grid, con
 // type); `tables` holds its tables in acc_t, rounded once, as grid_points' are, the taps repeated for each group
 // (so that a row's G * K points find theirs at their own index: PointSource::read_grid_row).
 template <typename scalar_t>
-PointSource<scalar_t> grid_source(const GridCallSizes& c, const ConvGrid& grid, const GridLayout& layout,
+PointSource<scalar_t> grid_source(const GridCall& c, const ConvGrid& grid, const GridLayout& layout,
                                   const at::Tensor& offsets, const at::Tensor& weights,
                                   std::vector<at::opmath_type<scalar_t>> (&tables)[4]) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -114,35 +119,17 @@ PointSource<scalar_t> grid_source(const GridCallSizes& c, const ConvGrid& grid, 
 at::Tensor grid_forward(const at::Tensor& value, const ConvGrid& grid, const GridLayout& layout,
                         const at::Tensor& offsets, const at::Tensor& weights) {
   follow_torch_thread_count();
-  const GridCallSizes c = grid_call_sizes(value, grid, offsets, weights);
-  const SampledSumSizes& s = c.s;
-  const at::Tensor v = value.contiguous();
-  at::Tensor output = value.new_empty({s.batch, s.queries, s.groups, s.channels});
-  const int64_t grain = std::max<int64_t>(1, kSumPointsPerTask / std::max<int64_t>(1, s.groups * s.points));
+  const GridCall c = grid_call(value, grid, offsets, weights);
+  at::Tensor output;
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_grid_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const InteriorLimits<acc_t> limits = interior_limits<acc_t>(s, c.levels.data(), c.level_of_point.data());
-    const scalar_t* value_data = v.const_data_ptr<scalar_t>();
-    scalar_t* out = output.mutable_data_ptr<scalar_t>();
-    std::vector<acc_t> tables[4];
-    const PointSource<scalar_t> reader = grid_source<scalar_t>(c, grid, layout, offsets, weights, tables);
-    at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
-      RowScratch<acc_t> scratch(s.channels, s.groups * s.points);
-      sum_rows<scalar_t>(s, c.levels.data(), c.level_of_point.data(), &limits, value_data, reader, out, begin, end,
-                         &scratch);
-    });
+    std::vector<at::opmath_type<scalar_t>> tables[4];
+    output = sum_all_rows<scalar_t>(c, value, grid_source<scalar_t>(c, grid, layout, offsets, weights, tables));
   });
   return output;
 }
 
-// A call on points in levels read in place from normalised locations: its sizes, its levels, each point's level.
-struct LevelCallSizes {
-  SampledSumSizes s;
-  std::vector<SampledLevel> levels;
-  std::vector<int64_t> level_of_point;
-};
-
-LevelCallSizes level_call_sizes(const at::Tensor& value, const at::Tensor& spatial_shapes,
+// A call on points in levels read in place from normalised locations.
+SampledCall level_call(const at::Tensor& value, const at::Tensor& spatial_shapes,
                                 const at::Tensor& level_start_index, const at::Tensor& locations,
                                 const at::Tensor& weights, int64_t points_per_level) {
   TORCH_INTERNAL_ASSERT(value.dim() == 4 && locations.dim() == 4 && weights.dim() == 4 && locations.is_contiguous() &&
@@ -156,7 +143,7 @@ LevelCallSizes level_call_sizes(const at::Tensor& value, const at::Tensor& spati
                             weights.size(2) == value.size(2) && locations.size(0) == value.size(0) &&
                             locations.size(1) == weights.size(1) && locations.size(2) == value.size(2),
                         "sampled_sum on levels: bad arguments");
-  LevelCallSizes c;
+  SampledCall c;
   c.s = sampled_sum_sizes(value, weights.size(1), weights.size(3), spatial_shapes.size(0));
   c.levels = read_sampled_levels(c.s, spatial_shapes, level_start_index);
   for (int64_t k = 0; k < c.s.points; ++k) c.level_of_point.push_back(k / points_per_level);
@@ -167,7 +154,7 @@ LevelCallSizes level_call_sizes(const at::Tensor& value, const at::Tensor& spati
 template <typename acc_t>
 struct PointLevelSizes {
   std::vector<acc_t> widths, heights;
-  explicit PointLevelSizes(const LevelCallSizes& c) {
+  explicit PointLevelSizes(const SampledCall& c) {
     for (const int64_t level : c.level_of_point) {
       widths.push_back(static_cast<acc_t>(c.levels[level].width));
       heights.push_back(static_cast<acc_t>(c.levels[level].height));
@@ -177,7 +164,7 @@ struct PointLevelSizes {
 
 // The PointSource of normalised locations and weights (in the points' dtype, or the value's half type).
 template <typename scalar_t>
-PointSource<scalar_t> level_source(const LevelCallSizes& c, const at::Tensor& locations, const at::Tensor& weights,
+PointSource<scalar_t> level_source(const SampledCall& c, const at::Tensor& locations, const at::Tensor& weights,
                                    const PointLevelSizes<at::opmath_type<scalar_t>>& sizes) {
   PointSource<scalar_t> p = in_place_points<scalar_t>(PointSource<scalar_t>::Kind::levels, c.s, locations, weights);
   p.widths = sizes.widths.data();
@@ -189,43 +176,36 @@ PointSource<scalar_t> level_source(const LevelCallSizes& c, const at::Tensor& lo
 at::Tensor level_forward(const at::Tensor& value, const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
                          const at::Tensor& locations, const at::Tensor& weights, int64_t points_per_level) {
   follow_torch_thread_count();
-  const LevelCallSizes c =
-      level_call_sizes(value, spatial_shapes, level_start_index, locations, weights, points_per_level);
-  const SampledSumSizes& s = c.s;
-  const at::Tensor v = value.contiguous();
-  at::Tensor output = value.new_empty({s.batch, s.queries, s.groups, s.channels});
-  const int64_t grain = std::max<int64_t>(1, kSumPointsPerTask / std::max<int64_t>(1, s.groups * s.points));
+  const SampledCall c = level_call(value, spatial_shapes, level_start_index, locations, weights, points_per_level);
+  at::Tensor output;
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_level_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const PointLevelSizes<acc_t> sizes(c);
-    const InteriorLimits<acc_t> limits = interior_limits<acc_t>(s, c.levels.data(), c.level_of_point.data());
-    const scalar_t* value_data = v.const_data_ptr<scalar_t>();
-    scalar_t* out = output.mutable_data_ptr<scalar_t>();
-    const PointSource<scalar_t> reader = level_source<scalar_t>(c, locations, weights, sizes);
-    at::parallel_for(0, s.batch * s.queries, grain, [&](int64_t begin, int64_t end) {
-      RowScratch<acc_t> scratch(s.channels, s.groups * s.points);
-      sum_rows<scalar_t>(s, c.levels.data(), c.level_of_point.data(), &limits, value_data, reader, out, begin, end,
-                         &scratch);
-    });
+    const PointLevelSizes<at::opmath_type<scalar_t>> sizes(c);
+    output = sum_all_rows<scalar_t>(c, value, level_source<scalar_t>(c, locations, weights, sizes));
   });
   return output;
+}
+
+// Value's gradient, for sampled_backward_tasks to fill: each task writes its level's pixels once; where the levels
+// do not tile value's pixels (never, where the ops' checks hold), the pixels outside every level keep a zero.
+at::Tensor new_value_grad(const SampledCall& c, const at::Tensor& value) {
+  return levels_tile_pixels(c.levels, c.s.pixels) ? value.new_empty(value.sizes()) : value.new_zeros(value.sizes());
 }
 
 // Value's gradient into grad_value (every element of the levels' pixels written once) and the points' through
 // point_grads: tasks (image, group, level) split between threads.
 template <typename scalar_t>
-void sampled_backward_tasks(const SampledSumSizes& s, const std::vector<SampledLevel>& levels,
-                            const std::vector<int64_t>& level_of_point, const scalar_t* value,
-                            const PointSource<scalar_t>& points, const scalar_t* grad_output, scalar_t* grad_value,
-                            const PointGrads<scalar_t>& point_grads, BorderGradient border) {
+void sampled_backward_tasks(const SampledCall& c, const scalar_t* value, const PointSource<scalar_t>& points,
+                            const scalar_t* grad_output, scalar_t* grad_value, const PointGrads<scalar_t>& point_grads,
+                            BorderGradient border) {
   using acc_t = at::opmath_type<scalar_t>;
+  const SampledSumSizes& s = c.s;
   int64_t largest = 0;
-  for (const SampledLevel& level : levels) {
+  for (const SampledLevel& level : c.levels) {
     if (level.fits) largest = std::max(largest, level.height * level.width);
   }
   at::parallel_for(0, s.batch * s.groups * s.levels, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> grad(s.channels), grad_slice(largest * s.channels), x(s.points), y(s.points), w(s.points);
-    sum_backward_tasks<scalar_t>(s, levels.data(), level_of_point.data(), value, points, grad_output, grad_value,
+    sum_backward_tasks<scalar_t>(s, c.levels.data(), c.level_of_point.data(), value, points, grad_output, grad_value,
                                  point_grads, border, begin, end, grad.data(), grad_slice.data(), x.data(), y.data(),
                                  w.data());
   });
@@ -236,18 +216,15 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_output, const
                                             const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
                                             BorderGradient border) {
   follow_torch_thread_count();
-  const SampledSumSizes s = make_sampled_sum_sizes(value, points, point_levels, spatial_shapes, level_start_index);
-  const SampledLevels t = read_sum_levels(s, point_levels, spatial_shapes, level_start_index);
+  const SampledCall c = stored_call(value, points, point_levels, spatial_shapes, level_start_index);
+  const SampledSumSizes& s = c.s;
   const at::Tensor v = value.contiguous(), pts = points.contiguous(), g = grad_output.contiguous();
-  // Each task writes its level's pixels of value's gradient once; where the levels do not tile value's pixels
-  // (never, where the ops' checks hold), the pixels outside every level keep a zero gradient.
-  at::Tensor grad_value =
-      levels_tile_pixels(t.levels, s.pixels) ? value.new_empty(value.sizes()) : value.new_zeros(value.sizes());
+  at::Tensor grad_value = new_value_grad(c, value);
   // Every element is written once (sum_backward_tasks): each point belongs to one level.
   at::Tensor grad_points = pts.new_empty(pts.sizes());
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    sampled_backward_tasks<scalar_t>(s, t.levels, t.of_point, v.const_data_ptr<scalar_t>(),
+    sampled_backward_tasks<scalar_t>(c, v.const_data_ptr<scalar_t>(),
                                      stored_points<scalar_t>(pts, s.groups, s.points), g.const_data_ptr<scalar_t>(),
                                      grad_value.mutable_data_ptr<scalar_t>(),
                                      PointGrads<scalar_t>{PointGrads<scalar_t>::Kind::stored, s.groups, s.points,
@@ -262,10 +239,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grid_backward(const at::Tensor& g
                                                              const at::Tensor& offsets, const at::Tensor& weights,
                                                              BorderGradient border) {
   follow_torch_thread_count();
-  const GridCallSizes c = grid_call_sizes(value, grid, offsets, weights);
+  const GridCall c = grid_call(value, grid, offsets, weights);
   const SampledSumSizes& s = c.s;
   const at::Tensor v = value.contiguous(), g = grad_output.contiguous();
-  at::Tensor grad_value = value.new_empty(value.sizes());  // the one level is the whole input
+  at::Tensor grad_value = new_value_grad(c, value);
   // Every offset and weight is written once; one tensor holding both (DCNv4's) may hold more, which stays 0.
   const at::TensorOptions options = offsets.options().dtype(point_dtype(value.scalar_type()));
   const bool one_tensor = offsets.is_same(weights);
@@ -278,7 +255,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grid_backward(const at::Tensor& g
                                      grad_offsets.mutable_data_ptr<acc_t>(), grad_weights.mutable_data_ptr<acc_t>(),
                                      layout, static_cast<acc_t>(grid.offset_scale)};
     std::vector<acc_t> tables[4];
-    sampled_backward_tasks<scalar_t>(s, c.levels, c.level_of_point, v.const_data_ptr<scalar_t>(),
+    sampled_backward_tasks<scalar_t>(c, v.const_data_ptr<scalar_t>(),
                                      grid_source<scalar_t>(c, grid, layout, offsets, weights, tables),
                                      g.const_data_ptr<scalar_t>(), grad_value.mutable_data_ptr<scalar_t>(), grads,
                                      border);
@@ -292,15 +269,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> level_backward(const at::Tensor& 
                                                               const at::Tensor& locations, const at::Tensor& weights,
                                                               int64_t points_per_level, BorderGradient border) {
   follow_torch_thread_count();
-  const LevelCallSizes c =
-      level_call_sizes(value, spatial_shapes, level_start_index, locations, weights, points_per_level);
+  const SampledCall c = level_call(value, spatial_shapes, level_start_index, locations, weights, points_per_level);
   const SampledSumSizes& s = c.s;
   TORCH_INTERNAL_ASSERT(grad_output.sizes() == at::IntArrayRef({s.batch, s.queries, s.groups, s.channels}) &&
                             grad_output.scalar_type() == value.scalar_type(),
                         "sampled_sum level_backward: bad grad_output");
   const at::Tensor v = value.contiguous(), g = grad_output.contiguous();
-  at::Tensor grad_value = levels_tile_pixels(c.levels, s.pixels) ? value.new_empty(value.sizes())
-                                                                 : value.new_zeros(value.sizes());
+  at::Tensor grad_value = new_value_grad(c, value);
   // Each in its argument's dtype (no widened copy of a half type's); every element written once: each point
   // belongs to one level.
   at::Tensor grad_locations = locations.new_empty({s.batch, s.queries, s.groups, 2 * s.points});
@@ -318,7 +293,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> level_backward(const at::Tensor& 
     grads.weights_out = grad_weights.mutable_data_ptr();
     grads.locations_in_value_type = elements_of<scalar_t>(locations).in_value_type;
     grads.weights_in_value_type = elements_of<scalar_t>(weights).in_value_type;
-    sampled_backward_tasks<scalar_t>(s, c.levels, c.level_of_point, v.const_data_ptr<scalar_t>(),
+    sampled_backward_tasks<scalar_t>(c, v.const_data_ptr<scalar_t>(),
                                      level_source<scalar_t>(c, locations, weights, sizes),
                                      g.const_data_ptr<scalar_t>(), grad_value.mutable_data_ptr<scalar_t>(), grads,
                                      border);
