@@ -220,6 +220,7 @@ def test_gradients_of_points_read_in_place_equal_the_materialised_ones_bitwise()
     assert torch.equal(gom[..., group * 3 * k:], torch.zeros(n, ho, wo, 3))
     assert goffset.isnan().any() and not goffset.isnan().all()
 
+
 def test_an_input_without_pixels_samples_zero_on_every_path():
     """An input of no rows whose padding still gives output pixels (1x1 kernel, padding 1): every point lies
     outside it, so the output is the reference's 0 and so are the offsets' and mask's gradients, whichever path

@@ -51,7 +51,6 @@ at::Tensor dcnv4_forward(const SampledSumKernels& kernels, const at::Tensor& inp
       checked_dcnv4(input, offset_mask, kernel_size, stride, padding, dilation, group, offset_scale, remove_center);
   const at::ScalarType dtype = point_dtype(input.scalar_type());
   const GridCall call = grid_call(g, input, group);
-  const auto [offsets, mask] = split(g, offset_mask, group);
   // The points read in place from offset_mask's blocks, their weights too or, under the softmax, from its output
   // beside them (the same points as grid_points', bitwise).
   const int64_t k = g.points();
@@ -61,6 +60,7 @@ at::Tensor dcnv4_forward(const SampledSumKernels& kernels, const at::Tensor& inp
     const at::Tensor output = kernels.grid_forward(call.value, g, dcnv4_layout(offset_mask, k), om, om);
     return output.view({input.size(0), g.out_height(), g.out_width(), input.size(3)});
   }
+  const auto [offsets, mask] = split(g, offset_mask, group);
   if (kernels.grid_forward != nullptr && softmax && offset_mask.scalar_type() == dtype) {
     const at::Tensor weights = softmax_weights(mask, dtype).contiguous();
     const at::Tensor output = kernels.grid_forward(call.value, g, {offset_mask.size(3), 3 * k, group * k, 0, k},
