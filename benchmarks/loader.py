@@ -107,10 +107,12 @@ def main() -> None:
             .stdout.split()
         cold_wall = time.perf_counter() - start
         assert from_cache == "False"
-        (cpu_key,) = entry_keys(cache).values()
-        rows.append(f"| cold: `import deform_conv` with an empty cache, CPU library ({cold_wall:.1f} s for the "
-                    f"whole process) | {float(cold_seconds):.1f} s | {float(cold_seconds) / yardstick:.1f} |")
-        units.append(f"| CPU, cold | {cpu_key['build_seconds']:.1f} s | {units_row(cpu_key)} |")
+        ((cpu_name, cpu_key),) = entry_keys(cache).items()
+        isa = cpu_name.split("-torch")[0].partition("-")[2] or "portable"  # the tag: cpu-<instruction set>
+        rows.append(f"| cold: `import deform_conv` with an empty cache, CPU library for this CPU ({isa}; "
+                    f"{cold_wall:.1f} s for the whole process) | {float(cold_seconds):.1f} s | "
+                    f"{float(cold_seconds) / yardstick:.1f} |")
+        units.append(f"| CPU ({isa}), cold | {cpu_key['build_seconds']:.1f} s | {units_row(cpu_key)} |")
         warm = []
         for _ in range(args.repeats):
             seconds, from_cache = run([sys.executable, "-c", IMPORT_OVERHEAD], cache, DEFORM_CONV_CUDA="0") \
@@ -138,6 +140,15 @@ def main() -> None:
                     f"({rebuild_wall:.1f} s for the whole process; {len(rebuilt['reused_units'])} of "
                     f"{len(rebuilt['unit_sha256'])} units reused) | {rebuilt['build_seconds']:.1f} s | |")
         units.append(f"| CPU, after that edit | {rebuilt['build_seconds']:.1f} s | {units_row(rebuilt)} |")
+
+    with tempfile.TemporaryDirectory() as cache:  # the library to copy to other machines, as every build was before
+        start = time.perf_counter()
+        run([sys.executable, "-m", "deform_conv", "build", "--cpu-only", "--portable"], cache)
+        portable_wall = time.perf_counter() - start
+        (portable_key,) = entry_keys(cache).values()
+    rows.append(f"| cold: `deform-conv build --cpu-only --portable`, the CPU library for every x86-64 CPU (whole "
+                f"process) | {portable_wall:.1f} s | {portable_wall / yardstick:.1f} |")
+    units.append(f"| CPU (portable), cold | {portable_key['build_seconds']:.1f} s | {units_row(portable_key)} |")
 
     nvcc = shutil.which("nvcc") or (Path(cpp_extension.CUDA_HOME or "/nonexistent") / "bin" / "nvcc")
     if not args.skip_cuda and torch.version.cuda and Path(nvcc).exists():

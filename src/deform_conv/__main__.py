@@ -125,14 +125,14 @@ def check() -> int:
     return 0 if ok else 1
 
 
-def build(cuda_arch: Optional[str], cpu_only: bool) -> int:
+def build(cuda_arch: Optional[str], cpu_only: bool, portable: bool = False) -> int:
     """Prebuilds into the cache (without loading), e.g. before launching N training processes, or for a GPU
-    this machine does not have."""
+    this machine does not have; ``portable``: a CPU library for every x86-64 CPU, to copy to other machines."""
     if cuda_arch and torch.version.cuda is None:
         print(f"deform-conv: --cuda-arch needs a CUDA build of torch; torch {torch.__version__} has no CUDA",
               file=sys.stderr)
         return 2
-    variants = [_variant.cpu_variant()]
+    variants = [_variant.cpu_variant(portable)]
     archs = () if cpu_only else _variant.requested_cuda_archs(cuda_arch)
     if archs:
         variants.append(_variant.Variant("cuda", archs))
@@ -165,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     build_parser.add_argument("--cuda-arch", help="GPU archs to build for, e.g. '8.0;9.0' (default: the visible GPUs "
                               "or $TORCH_CUDA_ARCH_LIST)")
     build_parser.add_argument("--cpu-only", action="store_true", help="build only the CPU library")
+    build_parser.add_argument("--portable", action="store_true", help="build a CPU library for every x86-64 CPU "
+                              "(copies of its kernels for x86-64, AVX2 and AVX-512), to copy to other machines; "
+                              "by default it is built for this CPU only, as an import builds it")
     command("bench", "CPU benchmark against torchvision and conv2d; its own --help lists its options",
             add_help=False)
     clean_parser = command("clean", "remove the cache entries and whatever else the package keeps in the cache")
@@ -181,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "doctor":
             return _doctor.doctor()
         if args.command == "build":
-            return build(args.cuda_arch, args.cpu_only)
+            return build(args.cuda_arch, args.cpu_only, args.portable)
         if args.command == "clean":
             return _doctor.clean(args.stale)
         deform_conv._load_libraries()

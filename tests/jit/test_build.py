@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -282,34 +281,3 @@ def test_main_job_builds_into_an_empty_cache_then_reuses_it(tmp_path):
     second = subprocess.run([sys.executable, "-m", "deform_conv"], capture_output=True, text=True, env=env)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "loaded from the cache" in second.stdout and second.stderr == ""
-
-
-@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None,
-                    reason="the CPU passes are cloned per instruction set on x86-64 only; needs objdump")
-def test_wide_copies_of_the_cpu_passes_hold_their_inner_loops():
-    # Each pass is compiled for baseline x86-64, AVX2 and AVX-512 (target_clones). Were a helper kept out of line,
-    # its loops would be compiled once, for baseline x86-64, and the AVX-512 copy would only call it: it would
-    # then use no 512-bit register at all.
-    cpu = next(lib for lib in deform_conv.libraries if lib.variant.kind == "cpu")
-    if cpu.variant.sanitize:
-        pytest.skip("a sanitizer build")
-    library = cpu.path
-    listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", str(library)], capture_output=True,
-                             text=True, check=True).stdout
-    bodies: dict = {}
-    current = None
-    for line in listing.splitlines():
-        if line.endswith(">:"):  # "0000000000012340 <symbol>:" starts a function
-            current = line.split("<", 1)[1][:-2] if "[clone .avx512f]" in line else None
-            continue
-        if current is not None:
-            bodies.setdefault(current, []).append(line)
-    if not bodies:
-        pytest.skip("no per-instruction-set copies in this build (not GCC on x86-64 Linux)")
-    # (DC_CPU_KERNEL: the clones are <pass>_cloned<float, ...>.)
-    passes = ("fill_rows_cloned<float", "coordinate_rows_cloned<float", "input_grad_tasks_cloned<float",
-              "forward_rows_cloned<float")
-    for name in passes:
-        clones = [body for symbol, body in bodies.items() if name in symbol]
-        assert clones, f"no AVX-512 copy of {name} in {library}"
-        assert any("zmm" in line for body in clones for line in body), f"the AVX-512 copy of {name} uses no zmm register"

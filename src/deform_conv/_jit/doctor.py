@@ -39,6 +39,19 @@ def half_precision_paths() -> str:
     return "; ".join(torch.ops.deform_conv.cpu_half_path(dtype) for dtype in (torch.bfloat16, torch.float16))
 
 
+def describe_cpu_isa(variant: _variant.Variant) -> str:
+    """The instruction set the CPU library's kernels run with here, and why."""
+    host = _variant.host_cpu_isa()
+    if variant.cpu_isa == _variant.PORTABLE:
+        if host == _variant.PORTABLE:
+            return "one build for every CPU of this architecture"
+        return f"portable (copies for x86-64, avx2 and avx512f): this CPU runs the {host} copy"
+    if variant.cpu_isa == host:
+        return f"{host}, this CPU's widest"
+    return (f"{variant.cpu_isa}, narrower than this CPU's {host}: an entry built elsewhere, loaded because nothing "
+            "can be built here")
+
+
 def build_summary(key: dict, with_total: bool = True, slowest: int = 3) -> str:
     """How long the entry's build took and its slowest units, from its key (what the build measured with ninja's
     log), e.g. "built in 17.3 s; slowest units: deform_conv2d_cpu_sampling 9.8 s, attention_cpu 6.1 s, ..."."""
@@ -119,24 +132,22 @@ def doctor() -> int:
         print("    (no entries)")
 
     for variant in _variant.wanted_variants():
-        environment = _variant.environment_inputs(variant)
-        found, _skipped = _loader.find_entry(variant, root, environment,
-                                             any_toolchain=not _loader.can_build(variant, root), warn=False)
-        prebuilt = _loader.matching_prebuilt(variant, environment)
-        if prebuilt.usable:
+        loadable, found, _skipped = _loader.find_loadable(variant, root, _loader.can_build(variant, root), warn=False)
+        if found is not None and found.path == _loader.PREBUILT:
             print(f"  {variant.kind:12s} bundled at install time ({_loader.PREBUILT})")
         elif found:
             assert found.key is not None
             print(f"  {variant.kind:12s} built: {found.path.name} ({build_summary(found.key)})")
-        if variant.kind == "cpu" and (prebuilt.usable or found):
+        if variant.kind == "cpu" and found:
+            print(f"  {'cpu isa':12s} {describe_cpu_isa(loadable)}")
             try:  # the library itself knows what it was compiled with; loading it runs no compiler
-                _loader._load(variant, prebuilt if prebuilt.usable else found)
+                _loader._load(loadable, found)
                 print(f"  {'cpu GEMMs':12s} {batch_reduce_gemm()}")
                 print(f"  {'cpu half':12s} {half_precision_paths()}")
             except _loader.BuildError as error:
                 if str(error).replace("\n", " ") not in problems:
                     problems.append(str(error).replace("\n", " "))
-        if not prebuilt.usable and not found:
+        if not found:
             print(f"  {variant.kind:12s} not built for the current key: the next import builds it "
                   "(or run `deform-conv build`)")
             if not cxx or not ninja:
@@ -175,8 +186,8 @@ def clean(stale_only: bool) -> int:
     keep = set()
     if stale_only:
         for variant in _variant.wanted_variants():
-            found, _skipped = _loader.find_entry(variant, root, _variant.environment_inputs(variant),
-                                                 any_toolchain=not _loader.can_build(variant, root), warn=False)
+            _loadable, found, _skipped = _loader.find_loadable(variant, root, _loader.can_build(variant, root),
+                                                               warn=False)
             if found:
                 keep.add(found.path)
     removed, failed = 0, 0

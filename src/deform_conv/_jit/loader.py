@@ -9,7 +9,7 @@ Warm path: a stat of the compiler, the trust checks and a hash of the library (`
 again, compile in a private directory (``compile``), write key.json last, rename into place.
 
 Sanitizer mode, for tests: ``DEFORM_CONV_SANITIZE=1`` (= ``address,undefined``, or a list of those) builds the
-CPU library with ``-fsanitize=...`` at ``-O1 -g`` into an entry of its own (tag ``cpu-sanitize_...``, sanitize
+CPU library with ``-fsanitize=...`` at ``-O1 -g`` into an entry of its own (tag ``cpu-<isa>-sanitize_...``, sanitize
 in the key), so a plain import never loads it and vice versa. The CUDA library is never instrumented. An ASan
 library loads only into a process started with the ASan runtime preloaded (:func:`_toolchain.check_sanitizer_runtime`
 says how; scripts/sanitize-tests does it).
@@ -18,6 +18,7 @@ says how; scripts/sanitize-tests does it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import warnings
@@ -172,24 +173,48 @@ def untrusted_root_error(root: Path, problem: str) -> BuildError:
     )
 
 
+def _root_problem(root: Path) -> Optional[str]:
+    return _cache.root_problem(root) if os.path.lexists(root) else None
+
+
+def find_loadable(variant: Variant, root: Path, buildable: bool,
+                  warn: bool = True) -> Tuple[Variant, Optional[EntryState], List[EntryState]]:
+    """What an import loads without building, as (the variant it is, its state or None, the untrusted entries
+    skipped on the way): for ``variant`` and then each of its stand-ins (Variant.stand_ins), the library bundled
+    at install time if its key matches; else their trusted cache entries (any compiler's where nothing can be
+    built here: ``buildable`` False), unless ``root`` itself may not be trusted."""
+    candidates = (variant,) + variant.stand_ins(buildable)
+    environment = functools.lru_cache(maxsize=None)(environment_inputs)  # each hashes the sources: only if asked
+    skipped = []
+    for candidate in candidates if os.path.lexists(PREBUILT) else ():
+        prebuilt = matching_prebuilt(candidate, environment(candidate))
+        if prebuilt.usable:
+            return candidate, prebuilt, skipped
+        if prebuilt.untrusted:
+            skipped.append(prebuilt)
+            if warn:
+                _warn_untrusted(prebuilt)
+    if _root_problem(root) is not None:
+        return variant, None, skipped  # nothing in it is loaded
+    for candidate in candidates:
+        found, untrusted = find_entry(candidate, root, environment(candidate), any_toolchain=not buildable, warn=warn)
+        skipped += untrusted
+        if found is not None:
+            return candidate, found, skipped
+    return variant, None, skipped
+
+
 def load(variant: Variant) -> LoadedLibrary:
-    """Loads ``variant``'s library: the bundled one if its key matches, else the trusted cache entry, building it
-    first if this machine has none (or, where nothing can be built, any trusted entry for this environment)."""
-    environment = environment_inputs(variant)
-    prebuilt = matching_prebuilt(variant, environment)
-    if prebuilt.usable:
-        return _load(variant, prebuilt)
-    if prebuilt.untrusted:
-        _warn_untrusted(prebuilt)
+    """Loads ``variant``'s library (or a stand-in's: :func:`find_loadable`), building it first if this machine
+    has none (or, where nothing can be built, raising BuildError)."""
     root = cache_root()
-    if os.path.lexists(root):
-        problem = _cache.root_problem(root)
-        if problem is not None:
-            raise untrusted_root_error(root, problem)
     buildable = can_build(variant, root)
-    found, skipped = find_entry(variant, root, environment, any_toolchain=not buildable)
+    loadable, found, skipped = find_loadable(variant, root, buildable)
     if found is not None:
-        return _load(variant, found)
+        return _load(loadable, found)
+    problem = _root_problem(root)
+    if problem is not None:
+        raise untrusted_root_error(root, problem)
     try:
         if not buildable and _tool_paths(variant) is not None:
             raise BuildError(

@@ -34,10 +34,10 @@ OPS = ("deform_conv2d", "ms_deform_attn", "dcnv3", "dcnv4", "flash_deform_attn")
 UNIT_GROUPS = {"attention": ("sampled_sum", "ms_deform_attn", "dcnv3", "dcnv4", "flash_deform_attn")}
 
 # Sources of an op's CPU kernels compiled as a unit of their own (<op>_cpu_sampling), apart from the op's other
-# CPU sources: code generation, not headers, is what these cost (their loops are compiled for three instruction
-# sets, for each dtype). The split keeps both cores of a 2-core machine busy to the end: this unit and the
-# registration on one, the attention kernels and the op's other CPU sources on the other, about equal
-# (benchmarks/results/loader.md has each unit's time).
+# CPU sources: code generation, not headers, is what these cost (their loops are compiled for each dtype, and in
+# the portable library for three instruction sets). The split keeps both cores of a 2-core machine busy to the
+# end: this unit and the registration on one, the attention kernels and the op's other CPU sources on the other,
+# about equal (benchmarks/results/loader.md has each unit's time).
 CPU_SAMPLING_UNITS = {
     "deform_conv2d": (
         "cpu/sampling_passes.cpp", "cpu/depthwise.cpp", "cpu/transpose.cpp", "cpu/tiled_forward.cpp",
@@ -113,7 +113,7 @@ def units(kind, csrc):
     folders = _unit_folders()
     if kind == "cpu":
         # ninja starts the units in this order, two at a time on two cores: first the code generation (the
-        # groups' kernels, several ops' each, the longest unit; then the sampling units), then the registration
+        # groups' kernels, several ops' each, a long unit; then the sampling units), then the registration
         # with every op's host code (the code that calls torch's operators and so takes their headers, seconds of
         # every unit that includes them, which the kernels' units need not include), then the other kernels,
         # which fill the gaps (benchmarks/results/loader.md has each unit's time).

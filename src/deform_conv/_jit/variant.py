@@ -21,8 +21,28 @@ from .._version import __version__
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # deform_conv/, the folder above _jit/
 CSRC = PACKAGE_DIR / _sources.CSRC_DIR
 
-# <tag>-torch<version>-<environment hash>-<toolchain hash>, e.g. cpu-torch2.14.1_cu130-c2d32b4c387d-173d03c9
+# <tag>-torch<version>-<environment hash>-<toolchain hash>, e.g. cpu-avx512f-torch2.14.1_cu130-c2d32b4c387d-173d03c9
 ENTRY_NAME = re.compile(r"^(cpu|cuda|cuda_simulation)[-\w.]*-torch[\w.+]+-[0-9a-f]{12}-[0-9a-f]{8}$")
+
+
+# The instruction sets a CPU library's kernels are compiled for (csrc/cpu_kernels.h, DC_CPU_VECTOR_BITS), widest
+# first, and the portable library, which holds a copy of them for each and picks one when it is loaded.
+CPU_ISA_VECTOR_BITS = {"avx512f": 512, "avx2": 256, "x86-64": 128}
+PORTABLE = "portable"
+
+
+def host_cpu_isa() -> str:
+    """The instruction set ``import deform_conv`` compiles the CPU kernels for: the widest of CPU_ISA_VECTOR_BITS
+    this CPU has, by the test the portable library's loader-time choice makes (GCC's resolver asks for avx512f,
+    then avx2), so that a machine runs the same code, and gets the same bits, from either library. Only GCC on
+    x86-64 Linux compiles copies per instruction set; elsewhere the one build is the portable one."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return PORTABLE
+    if hasattr(torch.cpu, "get_capabilities"):  # the CPU's own features (cpuinfo)
+        has = torch.cpu.get_capabilities()
+        return "avx512f" if has.get("avx512_f") else "avx2" if has.get("avx2") else "x86-64"
+    # An older torch: the instruction set its own kernels use here (AVX512 also needs avx512bw/dq/vl).
+    return {"AVX512": "avx512f", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "x86-64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +53,7 @@ class Variant:
     kind: str                          # "cpu", "cuda" or "cuda_simulation"
     cuda_archs: Tuple[str, ...] = ()   # TORCH_CUDA_ARCH_LIST entries, e.g. ("8.0", "9.0+PTX")
     sanitize: Tuple[str, ...] = ()     # host-compiled only: -fsanitize= names from $DEFORM_CONV_SANITIZE
+    cpu_isa: str = PORTABLE            # "cpu" only: a key of CPU_ISA_VECTOR_BITS, or PORTABLE
 
     @property
     def units(self) -> Dict[str, Tuple[str, ...]]:
@@ -43,10 +64,11 @@ class Variant:
     def cxx_flags(self) -> Tuple[str, ...]:
         """The one place flags are chosen (the key records what this returns). Sanitized: -O1 instead of -O3,
         as ASan's docs advise: usable speed, with reports whose frames and lines match the source."""
+        isa = () if self.cpu_isa == PORTABLE else (f"-DDC_CPU_VECTOR_BITS={CPU_ISA_VECTOR_BITS[self.cpu_isa]}",)
         if not self.sanitize:
-            return _sources.CXX_FLAGS
+            return _sources.CXX_FLAGS + isa
         plain = tuple(f for f in _sources.CXX_FLAGS if not f.startswith("-O"))
-        return plain + ("-fsanitize=" + ",".join(self.sanitize),) + _sources.SANITIZE_CXX_FLAGS
+        return plain + ("-fsanitize=" + ",".join(self.sanitize),) + _sources.SANITIZE_CXX_FLAGS + isa
 
     @property
     def ld_flags(self) -> Tuple[str, ...]:
@@ -64,8 +86,21 @@ class Variant:
     @property
     def tag(self) -> str:
         if self.kind != "cuda":
-            return self.kind + ("-sanitize_" + "_".join(self.sanitize) if self.sanitize else "")
+            isa = "" if self.cpu_isa == PORTABLE else "-" + self.cpu_isa.replace("-", "_")
+            return self.kind + isa + ("-sanitize_" + "_".join(self.sanitize) if self.sanitize else "")
         return "cuda-" + "_".join("sm" + a.replace(".", "").replace("+PTX", "ptx") for a in self.cuda_archs)
+
+
+    def stand_ins(self, buildable: bool) -> Tuple["Variant", ...]:
+        """The CPU libraries that may be loaded in this one's place, best first: the portable library, which runs
+        as fast (it holds a copy for this CPU's instruction set too); and where nothing can be built here, the
+        libraries compiled for narrower instruction sets than this CPU's, slower but better than none. Never one
+        for an instruction set this CPU lacks."""
+        if self.kind != "cpu" or self.cpu_isa == PORTABLE:
+            return ()
+        narrower = list(CPU_ISA_VECTOR_BITS)[list(CPU_ISA_VECTOR_BITS).index(self.cpu_isa) + 1:]
+        isas = [PORTABLE] + ([] if buildable else narrower)
+        return tuple(dataclasses.replace(self, cpu_isa=isa) for isa in isas)
 
 
 def sources_sha256() -> str:
@@ -130,8 +165,10 @@ def requested_cuda_archs(explicit: Optional[str] = None) -> Tuple[str, ...]:
     return tuple(sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(count)}))
 
 
-def cpu_variant() -> Variant:
-    return Variant("cpu", sanitize=_settings.sanitizers())
+def cpu_variant(portable: bool = False) -> Variant:
+    """The CPU library an import builds: for this CPU's instruction set, or ``portable`` (`deform-conv build
+    --portable`) for every x86-64 CPU."""
+    return Variant("cpu", sanitize=_settings.sanitizers(), cpu_isa=PORTABLE if portable else host_cpu_isa())
 
 
 def wanted_variants() -> Tuple[Variant, ...]:

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <type_traits>
 
@@ -10,14 +11,35 @@
 #include <omp.h>
 #endif
 
-// The kernels' loops over a range of rows or tasks are compiled three times, for baseline x86-64, AVX2 and
-// AVX-512, and the dynamic loader picks the best for the CPU it runs on (an ifunc): the library stays one
-// portable binary (a prebuilt cache entry may be copied to another machine) yet uses wide vectors. `flatten`
-// inlines every call in each copy (the helpers, and the lambdas they take), so the inner loops are compiled for
-// that copy's instruction set: without it the compiler may keep a helper out of line, compiled once for
-// baseline x86-64, and the wide copies would only wrap it.
+// The kernels' loops over a range of rows or tasks are compiled for the widest vectors the CPU has, and
+// `flatten` inlines every call into them (the helpers, and the lambdas they take), so that the inner loops are
+// compiled for that instruction set: without it the compiler may keep a helper out of line, compiled for baseline
+// x86-64, and the wide loop would only call it. Which instruction set, DC_CPU_VECTOR_BITS says (the loader sets
+// it: _jit/variant.py):
+// - unset: the portable library (`deform-conv build --portable`, the install-time build). Each loop is compiled
+//   three times, for baseline x86-64, AVX2 and AVX-512, and the dynamic loader picks the best for the CPU it runs
+//   on (an ifunc): an entry copied to any x86-64 machine runs there with its widest vectors.
+// - 512, 256 or 128: the library built for the machine it runs on (what `import deform_conv` builds). Each loop
+//   is compiled once, for AVX-512, AVX2 or baseline x86-64: a third of the code to generate, so a shorter build.
+//   The loader loads such a library only on a CPU with that instruction set; require_cpu_isa() makes any other
+//   caller get an error, not an illegal instruction.
+// A vectorised sum (an omp simd reduction over channels) adds in as many lanes as a vector holds, so the copies
+// for different instruction sets may differ in the last bits of such a sum; a machine runs the same copy, and gets
+// the same bits, from either library (the loader builds for the instruction set that the ifunc would pick).
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#if !defined(DC_CPU_VECTOR_BITS)
 #define DC_CPU_DISPATCH __attribute__((target_clones("default", "avx2", "avx512f"), flatten))
+#elif DC_CPU_VECTOR_BITS == 512
+#define DC_CPU_ISA "avx512f"
+#define DC_CPU_DISPATCH __attribute__((target(DC_CPU_ISA), flatten))
+#elif DC_CPU_VECTOR_BITS == 256
+#define DC_CPU_ISA "avx2"
+#define DC_CPU_DISPATCH __attribute__((target(DC_CPU_ISA), flatten))
+#elif DC_CPU_VECTOR_BITS == 128
+#define DC_CPU_DISPATCH __attribute__((flatten))
+#else
+#error "DC_CPU_VECTOR_BITS must be 512, 256 or 128"
+#endif
 #else
 #define DC_CPU_DISPATCH
 #endif
@@ -30,15 +52,15 @@
 #endif
 
 // A kernel whose float64 instantiation is compiled once, for baseline x86-64 (flattened all the same: its inner
-// loops stay loops, not calls), while the other dtypes get the DC_CPU_DISPATCH clones: float64 serves exact checks
-// and gradcheck, not speed, and two more copies of every kernel cost seconds of every build (the results are the
-// same: no copy reorders any arithmetic). The kernel is written as the template `name##_body<scalar_t>(...)`;
+// loops stay loops, not calls), while the other dtypes get DC_CPU_DISPATCH's wide copies: float64 serves exact
+// checks and gradcheck, not speed, more copies of every kernel cost seconds of every build, and one copy gives the
+// same bits on every x86-64 CPU. The kernel is written as the template `name##_body<scalar_t>(...)`;
 // DC_CPU_KERNEL(name) defines `name<scalar_t>(...)`. Its arguments are passed on by value (pointers, the small
 // parameter structs), so that a pointer passed as an lvalue and one computed in the call do not instantiate two
 // copies of the kernel.
 #define DC_CPU_KERNEL(name)                                                                                  \
   template <typename scalar_t, typename... Args>                                                             \
-  DC_CPU_DISPATCH void name##_cloned(Args... args) {                                                         \
+  DC_CPU_DISPATCH void name##_wide(Args... args) {                                                           \
     name##_body<scalar_t>(args...);                                                                          \
   }                                                                                                          \
   template <typename scalar_t, typename... Args>                                                             \
@@ -50,11 +72,23 @@
     if constexpr (std::is_same_v<scalar_t, double>) {                                                        \
       name##_once<scalar_t>(args...);                                                                        \
     } else {                                                                                                 \
-      name##_cloned<scalar_t>(args...);                                                                      \
+      ::deform_conv::require_cpu_isa();                                                                      \
+      name##_wide<scalar_t>(args...);                                                                        \
     }                                                                                                        \
   }
 
 namespace deform_conv {
+
+// Called before code compiled for DC_CPU_ISA runs (every DC_CPU_KERNEL, and each caller of a DC_CPU_DISPATCH
+// function): on a CPU without that instruction set it raises instead of executing an illegal instruction.
+inline void require_cpu_isa() {
+#if defined(DC_CPU_ISA)
+  static const bool supported = __builtin_cpu_supports(DC_CPU_ISA);
+  TORCH_CHECK(supported, "deform_conv: this library's CPU kernels were compiled for " DC_CPU_ISA ", which this CPU "
+              "does not have. Remedy: import deform_conv on this machine to build its own (or copy an entry built "
+              "with `deform-conv build --portable`, which runs on any x86-64 CPU).");
+#endif
+}
 
 // With GCC the library runs its parallel loops on the OpenMP runtime torch loaded (_jit/compile.py: link_flags), which
 // torch.set_num_threads sets. Clang emits calls only LLVM's runtime has, so a Clang build has a runtime of its
