@@ -71,15 +71,23 @@ NO_BATCH_REDUCE_GEMM = (f"the batch-reduce GEMM is not compiled in or not usable
                         "torch >= 2.9 on x86-64 with AVX2 and oneDNN")
 
 
-@pytest.mark.parametrize("groups", [1, 8], ids=["columns", "depthwise"])
-def test_backward_is_bitwise_reproducible(groups):
+# 5.3 MiB of columns per image: one image per 8 MiB chunk, but a backward chunk holds as many as there are threads.
+STRETCHED_CHUNKS = dict(batch=3, in_channels=64, out_channels=16, groups=1, offset_groups=1, kernel=(3, 3),
+                        stride=(1, 1), padding=(1, 1), dilation=(1, 1), size=(48, 48))
+
+
+@pytest.mark.parametrize("shape", [dict(groups=1), dict(groups=8), STRETCHED_CHUNKS],
+                         ids=["columns", "depthwise", "stretched_chunks"])
+def test_backward_is_bitwise_reproducible(shape):
     """Under torch.use_deterministic_algorithms(True) (which the CPU backward does not refuse) and with the same
     threads: the same bits, run after run (no atomics, fixed summation orders). The depthwise path has no GEMM,
     and its sums do not depend on the number of threads either; nor do the float32 columns path's, where its
-    GEMMs run on the batch-reduce GEMM in tasks that each own their results. ATen's GEMMs, where it does not,
-    split their sums by thread count."""
-    case = make_case(torch.float32, batch=5, in_channels=8, out_channels=8, groups=groups, offset_groups=2,
-                     kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1), size=(24, 20))
+    GEMMs run on the batch-reduce GEMM in tasks that each own their results, and its chunks of images follow
+    the thread count (stretched_chunks). ATen's GEMMs, where it does not, split their sums by thread count."""
+    groups = shape["groups"]
+    case = make_case(torch.float32, **{**dict(batch=5, in_channels=8, out_channels=8, offset_groups=2, kernel=(3, 3),
+                                              stride=(1, 1), padding=(1, 1), dilation=(1, 1), size=(24, 20)),
+                                       **shape})
     threads = torch.get_num_threads()
     counts = (threads, threads, 1) if groups == 8 or BATCH_REDUCE_GEMM else (threads, threads)
     torch.use_deterministic_algorithms(True)
@@ -257,6 +265,7 @@ BACKWARD_SHAPES = {
     # of weight columns by one block of 40 output channels.
     "driver_forward": dict(batch=2, in_channels=512, out_channels=40, size=(6, 5), kernel=(3, 3), stride=(1, 1),
                            padding=(1, 1), dilation=(1, 1), groups=1, offset_groups=1),
+    "stretched_chunks": STRETCHED_CHUNKS,
     "awkward_geometry": dict(),
 }
 

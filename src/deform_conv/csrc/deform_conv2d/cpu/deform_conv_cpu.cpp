@@ -51,16 +51,18 @@ void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, in
   });
 }
 
+int64_t one_image_per_thread() { return at::get_num_threads(); }
+
 // 8 MiB of columns per chunk (at least one image): written by the sampling pass and read by the GEMM while
 // still in cache. The buffers live in per-thread scratch memory (scratch.h), kept from call to call.
 constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(8) << 20, /*gemm_as_convolution=*/true,
-                                 /*backward_gemms=*/backward_gemms, scratch};
+                                 /*backward_gemms=*/backward_gemms, scratch, one_image_per_thread};
 // A half-type layer's backward where the CPU multiplies its type natively: the passes in float32 on the widened
 // tensors, the GEMMs on the half type's (brgemm.h).
 constexpr SamplingPasses kBFloat16Passes{fill, coordinate_grads, input_grad, int64_t(8) << 20, true,
-                                         half_backward_gemms<c10::BFloat16>, scratch};
+                                         half_backward_gemms<c10::BFloat16>, scratch, one_image_per_thread};
 constexpr SamplingPasses kFloat16Passes{fill, coordinate_grads, input_grad, int64_t(8) << 20, true,
-                                        half_backward_gemms<c10::Half>, scratch};
+                                        half_backward_gemms<c10::Half>, scratch, one_image_per_thread};
 
 // Whether a half-type layer's GEMMs run on the half type's here (depthwise layers have none).
 bool native_half_layer(const ConvParams& p, const at::Tensor& input) {
