@@ -1,6 +1,7 @@
 """Opt-in ahead-of-time build: `DEFORM_CONV_AOT=1 pip install --no-build-isolation .` compiles the kernels at
 install time with torch's BuildExtension (the classic extension route) from the same sources and flags as the
-JIT loader (src/deform_conv/_jit/sources.py), and bundles them in deform_conv/_prebuilt/ with their key. At import
+JIT loader's portable CPU library (`deform-conv build --portable`: src/deform_conv/_jit/sources.py, variant.py), and
+bundles them in deform_conv/_prebuilt/ with their key. At import
 the package prefers a bundled library whose key matches this environment and falls back to the JIT cache.
 
 Without DEFORM_CONV_AOT=1 this is a plain pure-Python install: nothing is compiled. (--no-build-isolation:

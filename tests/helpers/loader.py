@@ -53,7 +53,8 @@ IMPORT_AND_REPORT = (
 def fast_compiler(directory: Path) -> Path:
     """A C++ compiler for tests that only need the loader to run (ninja, the link, the key, the publishing): each
     object it is asked to compile is copied from the entry this test session loaded, built from the same sources
-    and flags; everything else (the link, --version) goes to the real compiler. A build takes seconds, not a
+    (for this CPU's instruction set, whatever the flags asked for: the tests using it run no kernel of such a
+    library); everything else (the link, --version) goes to the real compiler. A build takes seconds, not a
     minute. ``directory`` receives the wrapper and a readable copy of the objects (other users may run it)."""
     objects = directory / "objects"
     objects.mkdir(parents=True, exist_ok=True)

@@ -63,6 +63,7 @@ def test_a_library_loads_on_cpus_with_its_instruction_set_only(tmp_path):
         shutil.rmtree(entry)
     wider = imports("baseline", none)  # the AVX2 entry is there, but a baseline CPU must not run it
     assert wider.returncode != 0 and "no C++ compiler found" in wider.stderr, wider.stdout + wider.stderr
+    assert "built with `deform-conv build --portable`" in wider.stderr  # the way out, named
     portable = subprocess.run([sys.executable, "-m", "deform_conv", "build", "--cpu-only", "--portable"],
                               capture_output=True, text=True, env=child_env(cache, CXX=fast), timeout=600)
     assert portable.returncode == 0 and "compiling the CPU kernels" in portable.stderr, portable.stderr

@@ -121,8 +121,8 @@ def test_ahead_of_time_build_is_bundled_and_preferred(tmp_path):
     """`DEFORM_CONV_AOT=1 pip install --no-build-isolation .` compiles at install time; the import then loads
     the bundled library and compiles nothing."""
     target = tmp_path / "site"
-    # The install compiles the same units from the same sources and flags as this session's entry: the compiler
-    # wrapper copies those objects (the build, link and bundling run for real).
+    # The install compiles the same units from the same sources as this session's entry (the portable library's
+    # flags): the compiler wrapper copies those objects (the build, link and bundling run for real).
     compiler = str(fast_compiler(tmp_path / "tools"))
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target),

@@ -27,8 +27,8 @@ from . import cache as _cache, compile as _compile, settings as _settings, toolc
 from . import variant as _variant
 from .cache import EntryState
 from .errors import BuildError
-from .loader import (LoadedLibrary, _key_mtime, _load, _tool_paths, can_build, cache_root, find_entry,
-                     matching_prebuilt, toolchain_inputs, untrusted_root_error)
+from .loader import (LoadedLibrary, _key_mtime, _load, _tool_paths, can_build, cache_root, find_entry, find_loadable,
+                     toolchain_inputs, untrusted_root_error)
 from .progress import Elapsed, say
 from .variant import Variant, entry_name, environment_inputs
 
@@ -36,16 +36,13 @@ from .variant import Variant, entry_name, environment_inputs
 def _needs_build(variant: Variant) -> bool:
     """Whether :func:`load` would compile ``variant`` now: nothing bundled or cached serves it, and it can be built
     here. False wherever load would raise instead (it then raises, with its message)."""
-    environment = environment_inputs(variant)
-    if matching_prebuilt(variant, environment).usable:
-        return False
     root = cache_root()
     if os.path.lexists(root) and _cache.root_problem(root) is not None:
         return False
     if not can_build(variant, root):
         return False
     # Without hashing the library: load() hashes it once more anyway (and rebuilds it, on its own, if damaged).
-    found, _skipped = find_entry(variant, root, environment, any_toolchain=False, warn=False, hash_library=False)
+    _loadable, found, _skipped = find_loadable(variant, root, buildable=True, warn=False, hash_library=False)
     return found is None
 
 

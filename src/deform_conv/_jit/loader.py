@@ -31,7 +31,7 @@ from . import cache as _cache, settings as _settings, toolchain as _toolchain
 from .cache import EntryState
 from .errors import BuildError
 from .progress import Elapsed
-from .variant import PACKAGE_DIR, Variant, entry_name, entry_prefix, environment_inputs
+from .variant import PACKAGE_DIR, Variant, entry_name, entry_prefix, environment_inputs, sources_sha256
 
 PREBUILT = PACKAGE_DIR / "_prebuilt"  # libraries built at install time with DEFORM_CONV_AOT=1 (setup.py)
 
@@ -177,14 +177,19 @@ def _root_problem(root: Path) -> Optional[str]:
     return _cache.root_problem(root) if os.path.lexists(root) else None
 
 
-def find_loadable(variant: Variant, root: Path, buildable: bool,
-                  warn: bool = True) -> Tuple[Variant, Optional[EntryState], List[EntryState]]:
+def find_loadable(variant: Variant, root: Path, buildable: bool, warn: bool = True,
+                  hash_library: bool = True) -> Tuple[Variant, Optional[EntryState], List[EntryState]]:
     """What an import loads without building, as (the variant it is, its state or None, the untrusted entries
     skipped on the way): for ``variant`` and then each of its stand-ins (Variant.stand_ins), the library bundled
     at install time if its key matches; else their trusted cache entries (any compiler's where nothing can be
     built here: ``buildable`` False), unless ``root`` itself may not be trusted."""
     candidates = (variant,) + variant.stand_ins(buildable)
-    environment = functools.lru_cache(maxsize=None)(environment_inputs)  # each hashes the sources: only if asked
+    sources = sources_sha256()  # once for all the candidates
+
+    @functools.lru_cache(maxsize=None)
+    def environment(candidate: Variant) -> Dict[str, object]:
+        return environment_inputs(candidate, sources)
+
     skipped = []
     for candidate in candidates if os.path.lexists(PREBUILT) else ():
         prebuilt = matching_prebuilt(candidate, environment(candidate))
@@ -197,7 +202,8 @@ def find_loadable(variant: Variant, root: Path, buildable: bool,
     if _root_problem(root) is not None:
         return variant, None, skipped  # nothing in it is loaded
     for candidate in candidates:
-        found, untrusted = find_entry(candidate, root, environment(candidate), any_toolchain=not buildable, warn=warn)
+        found, untrusted = find_entry(candidate, root, environment(candidate), any_toolchain=not buildable, warn=warn,
+                                      hash_library=hash_library)
         skipped += untrusted
         if found is not None:
             return candidate, found, skipped
@@ -226,9 +232,13 @@ def load(variant: Variant) -> LoadedLibrary:
 
         loaded = _build.build(variant, root)
     except BuildError as error:
-        if not skipped:
+        copied = variant.stand_ins(buildable) and not buildable  # where an entry from elsewhere is the way out
+        if not skipped and not copied:
             raise
+        hint = (f"\nAn entry built on another machine loads here if it was built with `deform-conv build --portable` "
+                f"(or for this CPU's instruction set, {variant.cpu_isa}, or a narrower one)." if copied else "")
         untrusted = "".join(f"\n  {s.path}: {s.problem}" for s in skipped)
-        raise BuildError(f"{error}\nSkipped as untrusted (remove them, or rebuild as their owner):{untrusted}") from None
+        untrusted = f"\nSkipped as untrusted (remove them, or rebuild as their owner):{untrusted}" if skipped else ""
+        raise BuildError(f"{error}{hint}{untrusted}") from None
     assert isinstance(loaded, LoadedLibrary)
     return loaded

@@ -34,15 +34,19 @@ PORTABLE = "portable"
 def host_cpu_isa() -> str:
     """The instruction set ``import deform_conv`` compiles the CPU kernels for: the widest of CPU_ISA_VECTOR_BITS
     this CPU has, by the test the portable library's loader-time choice makes (GCC's resolver asks for avx512f,
-    then avx2), so that a machine runs the same code, and gets the same bits, from either library. Only GCC on
-    x86-64 Linux compiles copies per instruction set; elsewhere the one build is the portable one."""
+    then avx2), so that a machine runs the same code, and gets the same bits, from either library. The kernels
+    are compiled per instruction set on x86-64 Linux (csrc/cpu_kernels.h); elsewhere the one build is the
+    portable one."""
     if sys.platform != "linux" or platform.machine() != "x86_64":
         return PORTABLE
-    if hasattr(torch.cpu, "get_capabilities"):  # the CPU's own features (cpuinfo)
+    if hasattr(torch.cpu, "get_capabilities"):  # torch >= 2.13: the CPU's own features (cpuinfo)
         has = torch.cpu.get_capabilities()
-        return "avx512f" if has.get("avx512_f") else "avx2" if has.get("avx2") else "x86-64"
-    # An older torch: the instruction set its own kernels use here (AVX512 also needs avx512bw/dq/vl).
-    return {"AVX512": "avx512f", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "x86-64")
+        avx512f, avx2 = bool(has.get("avx512_f")), bool(has.get("avx2"))
+    else:  # the kernel's list of them
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+        avx512f, avx2 = "avx512f" in flags, "avx2" in flags
+    return "avx512f" if avx512f else "avx2" if avx2 else "x86-64"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,12 +116,13 @@ def sources_sha256() -> str:
     return digest.hexdigest()
 
 
-def environment_inputs(variant: Variant) -> Dict[str, object]:
-    """The key inputs known without running any tool: what the library is built from and for."""
+def environment_inputs(variant: Variant, sources: Optional[str] = None) -> Dict[str, object]:
+    """The key inputs known without running any tool: what the library is built from and for (``sources``:
+    sources_sha256(), where the caller has it already)."""
     inputs: Dict[str, object] = {
         "variant": variant.kind,
         "package_version": __version__,
-        "sources_sha256": sources_sha256(),
+        "sources_sha256": sources or sources_sha256(),
         "units": {name: list(sources) for name, sources in variant.units.items()},
         "cxx_flags": list(variant.cxx_flags),
         "gcc_cxx_flags": list(_sources.GCC_CXX_FLAGS),  # added where the compiler (in the key too) is GCC

@@ -26,10 +26,15 @@
 // A vectorised sum (an omp simd reduction over channels) adds in as many lanes as a vector holds, so the copies
 // for different instruction sets may differ in the last bits of such a sum; a machine runs the same copy, and gets
 // the same bits, from either library (the loader builds for the instruction set that the ifunc would pick).
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-#if !defined(DC_CPU_VECTOR_BITS)
+// (Clang compiles the library for one instruction set as GCC does, but no portable library: it makes no copies.)
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(DC_CPU_VECTOR_BITS)
+#if !defined(__clang__)
 #define DC_CPU_DISPATCH __attribute__((target_clones("default", "avx2", "avx512f"), flatten))
-#elif DC_CPU_VECTOR_BITS == 512
+#else
+#define DC_CPU_DISPATCH
+#endif
+#elif defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#if DC_CPU_VECTOR_BITS == 512
 #define DC_CPU_ISA "avx512f"
 #define DC_CPU_DISPATCH __attribute__((target(DC_CPU_ISA), flatten))
 #elif DC_CPU_VECTOR_BITS == 256
