@@ -232,7 +232,7 @@ def load(variant: Variant) -> LoadedLibrary:
 
         loaded = _build.build(variant, root)
     except BuildError as error:
-        copied = variant.stand_ins(buildable) and not buildable  # where an entry from elsewhere is the way out
+        copied = not buildable and bool(variant.stand_ins(buildable))  # an entry from elsewhere is the way out
         if not skipped and not copied:
             raise
         hint = (f"\nAn entry built on another machine loads here if it was built with `deform-conv build --portable` "
