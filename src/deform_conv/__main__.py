@@ -171,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command("bench", "CPU benchmark against torchvision and conv2d; its own --help lists its options",
             add_help=False)
     clean_parser = command("clean", "remove the cache entries and whatever else the package keeps in the cache")
-    clean_parser.add_argument("--stale", action="store_true", help="remove only entries the current setup would not load")
+    clean_parser.add_argument("--stale", action="store_true", help="remove only entries the current setup would not "
+                              "load (in a cache that machines of several kinds share, the others' entries too)")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # its own options: parsed by the benchmark module
         if not {"-h", "--help"} & set(argv[1:]):  # the help needs no kernels, and must not wait for a build
