@@ -21,29 +21,28 @@
 //   on (an ifunc): an entry copied to any x86-64 machine runs there with its widest vectors.
 // - 512, 256 or 128: the library built for the machine it runs on (what `import deform_conv` builds). Each loop
 //   is compiled once, for AVX-512, AVX2 or baseline x86-64: a third of the code to generate, so a shorter build.
-//   The loader loads such a library only on a CPU with that instruction set; require_cpu_isa() makes any other
+//   The loader loads such a library only on a CPU with that instruction set; begin_cpu_call() makes any other
 //   caller get an error, not an illegal instruction.
 // A vectorised sum (an omp simd reduction over channels) adds in as many lanes as a vector holds, so the copies
 // for different instruction sets may differ in the last bits of such a sum; a machine runs the same copy, and gets
 // the same bits, from either library (the loader builds for the instruction set that the ifunc would pick).
 // (Clang compiles the library for one instruction set as GCC does, but no portable library: it makes no copies.)
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(DC_CPU_VECTOR_BITS)
-#if !defined(__clang__)
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#if !defined(DC_CPU_VECTOR_BITS) && !defined(__clang__)
 #define DC_CPU_DISPATCH __attribute__((target_clones("default", "avx2", "avx512f"), flatten))
-#else
+#elif !defined(DC_CPU_VECTOR_BITS)
 #define DC_CPU_DISPATCH
-#endif
-#elif defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
-#if DC_CPU_VECTOR_BITS == 512
+#elif DC_CPU_VECTOR_BITS == 512
 #define DC_CPU_ISA "avx512f"
-#define DC_CPU_DISPATCH __attribute__((target(DC_CPU_ISA), flatten))
 #elif DC_CPU_VECTOR_BITS == 256
 #define DC_CPU_ISA "avx2"
-#define DC_CPU_DISPATCH __attribute__((target(DC_CPU_ISA), flatten))
-#elif DC_CPU_VECTOR_BITS == 128
-#define DC_CPU_DISPATCH __attribute__((flatten))
-#else
+#elif DC_CPU_VECTOR_BITS != 128
 #error "DC_CPU_VECTOR_BITS must be 512, 256 or 128"
+#endif
+#if defined(DC_CPU_ISA)
+#define DC_CPU_DISPATCH __attribute__((target(DC_CPU_ISA), flatten))
+#elif !defined(DC_CPU_DISPATCH)
+#define DC_CPU_DISPATCH __attribute__((flatten))
 #endif
 #else
 #define DC_CPU_DISPATCH
@@ -77,28 +76,25 @@
     if constexpr (std::is_same_v<scalar_t, double>) {                                                        \
       name##_once<scalar_t>(args...);                                                                        \
     } else {                                                                                                 \
-      ::deform_conv::require_cpu_isa();                                                                      \
       name##_wide<scalar_t>(args...);                                                                        \
     }                                                                                                        \
   }
 
 namespace deform_conv {
 
-// Called before code compiled for DC_CPU_ISA runs (every DC_CPU_KERNEL, and each caller of a DC_CPU_DISPATCH
-// function): on a CPU without that instruction set it raises instead of executing an illegal instruction.
-inline void require_cpu_isa() {
+// What every CPU entry point of an op does first, before any of its kernels runs:
+// - In a library compiled for one instruction set (DC_CPU_ISA), it raises on a CPU without that instruction set
+//   instead of executing an illegal instruction.
+// - With GCC the library runs its parallel loops on the OpenMP runtime torch loaded (_jit/compile.py: link_flags),
+//   which torch.set_num_threads sets. Clang emits calls only LLVM's runtime has, so a Clang build has a runtime of
+//   its own: it is given torch's thread count on every call, which is per calling thread and cheap to set.
+inline void begin_cpu_call() {
 #if defined(DC_CPU_ISA)
   static const bool supported = __builtin_cpu_supports(DC_CPU_ISA);
   TORCH_CHECK(supported, "deform_conv: this library's CPU kernels were compiled for " DC_CPU_ISA ", which this CPU "
               "does not have. Remedy: import deform_conv on this machine to build its own (or copy an entry built "
               "with `deform-conv build --portable`, which runs on any x86-64 CPU).");
 #endif
-}
-
-// With GCC the library runs its parallel loops on the OpenMP runtime torch loaded (_jit/compile.py: link_flags), which
-// torch.set_num_threads sets. Clang emits calls only LLVM's runtime has, so a Clang build has a runtime of its
-// own: give it torch's thread count on every call, which is per calling thread and cheap to set.
-inline void follow_torch_thread_count() {
 #if defined(__clang__) && defined(_OPENMP)
   const int threads = at::get_num_threads();
   if (omp_get_max_threads() != threads) omp_set_num_threads(threads);

@@ -8,6 +8,7 @@
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -18,9 +19,6 @@ namespace {
 
 // At most this many images share one column buffer, whatever the budget allows.
 constexpr int64_t kMaxImagesPerChunk = 32;
-// The columns of a backward chunk stretched to SamplingPasses::backward_images_at_least stay within this many
-// budgets (on the CPU the 32 MiB a scratch buffer is kept at between calls).
-constexpr int64_t kStretchedBudgets = 4;
 
 // `extra_per_image`: bytes of other per-chunk buffers that must fit in the budget beside the columns.
 int64_t images_per_chunk(const ConvParams& p, int64_t element_size, int64_t budget_bytes, int64_t extra_per_image = 0) {
@@ -213,10 +211,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
     const at::Tensor grad_output_rows = chunk_gemms ? grad_output.permute({0, 2, 3, 1}) : at::Tensor();
     const int64_t extra_per_image = copy_grad_rows ? p.out_pixels() * p.out_channels * input.element_size() : 0;
     int64_t chunk = images_per_chunk(p, input.element_size(), passes.column_budget_bytes, extra_per_image);
-    if (passes.backward_images_at_least != nullptr) {
-      const int64_t stretched = images_per_chunk(p, input.element_size(),
-                                                 kStretchedBudgets * passes.column_budget_bytes, extra_per_image);
-      chunk = std::max(chunk, std::min({passes.backward_images_at_least(), stretched, p.batch}));
+    if (passes.stretched_budget_bytes > 0) {
+      const int64_t stretched =
+          images_per_chunk(p, input.element_size(), passes.stretched_budget_bytes, extra_per_image);
+      chunk = std::max(chunk, std::min({int64_t(at::get_num_threads()), stretched, p.batch}));
     }
     at::Tensor columns = column_buffer(passes, p, std::min(chunk, p.batch), input.options());
     for (int64_t first = 0; first < p.batch; first += chunk) {

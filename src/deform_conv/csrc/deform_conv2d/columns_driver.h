@@ -46,11 +46,12 @@ struct SamplingPasses {
   // A channels-last tensor of `sizes` for one of the driver's internal buffers, valid until this thread asks
   // for the same slot again; nullptr: a fresh at::empty each time.
   at::Tensor (*scratch)(ScratchSlot slot, at::IntArrayRef sizes, const at::TensorOptions& options);
-  // How many images a backward chunk should hold at least, where the batch has them and their columns fit in four
-  // budgets; nullptr: the budget alone decides. (The CPU's input gradient gives each thread images of its own;
-  // with fewer images than threads it splits their channels instead, and each thread repeats the sampling of
-  // every point: S1 of the benchmark scaled 1.33x from one thread to two that way, 1.74x with two images.)
-  int64_t (*backward_images_at_least)();
+  // A backward chunk holds at least as many images as threads (at::get_num_threads), where the batch has them
+  // and their columns fit in these many bytes; 0: the budget alone decides. (The CPU's input gradient gives each
+  // thread images of its own; with fewer images than threads it splits their channels instead, and each thread
+  // repeats the sampling of every point: S1 of the benchmark scaled 1.33x from one thread to two that way, 1.74x
+  // with two images.)
+  int64_t stretched_budget_bytes;
 };
 
 // The tensors the passes read, in the layout they expect: input channels-last [B, H, W, C_in] in memory (a

@@ -51,18 +51,17 @@ void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, in
   });
 }
 
-int64_t one_image_per_thread() { return at::get_num_threads(); }
-
 // 8 MiB of columns per chunk (at least one image): written by the sampling pass and read by the GEMM while
-// still in cache. The buffers live in per-thread scratch memory (scratch.h), kept from call to call.
+// still in cache. The buffers live in per-thread scratch memory (scratch.h), kept from call to call: a backward
+// chunk stretched to an image per thread stays within what it keeps.
 constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(8) << 20, /*gemm_as_convolution=*/true,
-                                 /*backward_gemms=*/backward_gemms, scratch, one_image_per_thread};
+                                 /*backward_gemms=*/backward_gemms, scratch, kMaxKeptScratchBytes};
 // A half-type layer's backward where the CPU multiplies its type natively: the passes in float32 on the widened
 // tensors, the GEMMs on the half type's (brgemm.h).
 constexpr SamplingPasses kBFloat16Passes{fill, coordinate_grads, input_grad, int64_t(8) << 20, true,
-                                         half_backward_gemms<c10::BFloat16>, scratch, one_image_per_thread};
+                                         half_backward_gemms<c10::BFloat16>, scratch, kMaxKeptScratchBytes};
 constexpr SamplingPasses kFloat16Passes{fill, coordinate_grads, input_grad, int64_t(8) << 20, true,
-                                        half_backward_gemms<c10::Half>, scratch, one_image_per_thread};
+                                        half_backward_gemms<c10::Half>, scratch, kMaxKeptScratchBytes};
 
 // Whether a half-type layer's GEMMs run on the half type's here (depthwise layers have none).
 bool native_half_layer(const ConvParams& p, const at::Tensor& input) {
@@ -89,7 +88,7 @@ at::Tensor deform_conv2d_forward(const at::Tensor& input, const at::Tensor& offs
                                  const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
                                  at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
                                  c10::string_view border_gradient) {
-  follow_torch_thread_count();
+  begin_cpu_call();
   const ConvParams p = make_conv_params(input, offset, weight, mask, bias, stride, padding, dilation, border_gradient);
   if (is_half_type(input)) {
     if (native_half_layer(p, input)) {
@@ -111,7 +110,7 @@ deform_conv2d_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
     const std::optional<at::Tensor>& mask, at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
     bool bias_defined, c10::string_view border_gradient) {
-  follow_torch_thread_count();
+  begin_cpu_call();
   const ConvParams p = make_conv_params(input, offset, weight, mask, std::nullopt, stride, padding, dilation, border_gradient);
   check_grad_output(p, grad_output, input);
   if (is_half_type(input)) {

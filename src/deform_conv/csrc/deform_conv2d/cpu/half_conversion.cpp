@@ -58,12 +58,10 @@ bool has_f16c() {
 }  // namespace
 
 void widen(const c10::BFloat16* src, int64_t n, float* dst) {
-  require_cpu_isa();
   widen_bfloat16(reinterpret_cast<const uint16_t*>(src), n, reinterpret_cast<uint32_t*>(dst));
 }
 
 void narrow(const float* src, int64_t n, c10::BFloat16* dst) {
-  require_cpu_isa();
   narrow_bfloat16(reinterpret_cast<const uint32_t*>(src), n, reinterpret_cast<uint16_t*>(dst));
 }
 

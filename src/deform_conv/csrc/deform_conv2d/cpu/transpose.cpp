@@ -32,7 +32,6 @@ DC_CPU_DISPATCH void transpose_in_blocks(const float* src, int64_t rows, int64_t
 
 void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst, int64_t ld_dst,
                const float* add) {
-  require_cpu_isa();
   transpose_in_blocks(src, rows, cols, ld_src, dst, ld_dst, add);
 }
 

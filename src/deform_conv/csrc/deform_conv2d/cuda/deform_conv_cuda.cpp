@@ -223,7 +223,7 @@ void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, in
 SamplingPasses passes() {
   return {fill, coordinate_grads, input_grad, budget_bytes(kBudgetBytes), /*gemm_as_convolution=*/false,
           /*backward_gemms=*/nullptr, /*scratch=*/nullptr,  // the caching allocator reuses device memory already
-          /*backward_images_at_least=*/nullptr};
+          /*stretched_budget_bytes=*/0};
 }
 
 // ------------------------------------------------------------------------------------------ the depthwise path

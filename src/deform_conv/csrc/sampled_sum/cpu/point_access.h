@@ -66,12 +66,14 @@ struct PointSource {
   const acc_t *widths, *heights;                       // levels: of each point's level, [K]
   int64_t location_group;                              // levels
 
-  void read_group(int64_t row, int64_t g, acc_t* __restrict__ x, acc_t* __restrict__ y,
-                  acc_t* __restrict__ weight) const {
+  // Points [first, end) of group g of `row` (all of them by default), at their indices k in x, y and weight.
+  void read_group(int64_t row, int64_t g, acc_t* __restrict__ x, acc_t* __restrict__ y, acc_t* __restrict__ weight,
+                  int64_t first = 0, int64_t end = -1) const {
+    if (end < 0) end = points;
     switch (kind) {
       case Kind::stored: {
         const acc_t* p = stored + 3 * (row * groups + g) * points;
-        for (int64_t k = 0; k < points; ++k) {
+        for (int64_t k = first; k < end; ++k) {
           x[k] = p[3 * k];
           y[k] = p[3 * k + 1];
           weight[k] = p[3 * k + 2];
@@ -82,26 +84,26 @@ struct PointSource {
         const int64_t pixel = row % (out_height * out_width), oy = pixel / out_width, ox = pixel % out_width;
         const acc_t bx = base_x[ox], by = base_y[oy];
         offsets.with_type(row * layout.offset_row + g * layout.offset_group, [&](const auto* offset) {
-          for (int64_t k = 0; k < points; ++k) {
+          for (int64_t k = first; k < end; ++k) {
             x[k] = bx + (tap_x[k] + static_cast<acc_t>(offset[2 * k])) * scale;
             y[k] = by + (tap_y[k] + static_cast<acc_t>(offset[2 * k + 1])) * scale;
           }
         });
         weights.with_type(row * layout.weight_row + layout.weight_start + g * layout.weight_group,
                           [&](const auto* w) {
-                            for (int64_t k = 0; k < points; ++k) weight[k] = static_cast<acc_t>(w[k]);
+                            for (int64_t k = first; k < end; ++k) weight[k] = static_cast<acc_t>(w[k]);
                           });
         break;
       }
       case Kind::levels: {
         offsets.with_type((row * groups + g) * location_group, [&](const auto* location) {
-          for (int64_t k = 0; k < points; ++k) {
+          for (int64_t k = first; k < end; ++k) {
             x[k] = static_cast<acc_t>(location[2 * k]) * widths[k] - acc_t(0.5);
             y[k] = static_cast<acc_t>(location[2 * k + 1]) * heights[k] - acc_t(0.5);
           }
         });
         weights.with_type((row * groups + g) * points, [&](const auto* w) {
-          for (int64_t k = 0; k < points; ++k) weight[k] = static_cast<acc_t>(w[k]);
+          for (int64_t k = first; k < end; ++k) weight[k] = static_cast<acc_t>(w[k]);
         });
         break;
       }

@@ -5,8 +5,8 @@
 //
 // Each point's neighbours and weights come from sampling.h once for all D channels of its group, the loops over
 // channels are contiguous (channels are innermost) and compiled for the widest instruction set the CPU has
-// (DC_CPU_DISPATCH), and a point whose four neighbours lie in its level takes one pass over the channels for all
-// four.
+// (DC_CPU_DISPATCH). In the forward a point whose four neighbours lie in its level takes one pass over the
+// channels for all four; the backward takes one per neighbour (dot_and_scatter).
 //
 // The forward splits the rows (image, query) between threads; each output row is written once. The backward
 // splits (image, group, level) between threads: a task owns that slice of value's gradient and the gradients of
@@ -60,7 +60,7 @@ at::Tensor sum_all_rows(const SampledCall& c, const at::Tensor& value, const Poi
 
 at::Tensor forward(const at::Tensor& value, const at::Tensor& points, const at::Tensor& point_levels,
                    const at::Tensor& spatial_shapes, const at::Tensor& level_start_index) {
-  follow_torch_thread_count();
+  begin_cpu_call();
   const SampledCall c = stored_call(value, points, point_levels, spatial_shapes, level_start_index);
   const at::Tensor pts = points.contiguous();
   at::Tensor output;
@@ -118,7 +118,7 @@ PointSource<scalar_t> grid_source(const GridCall& c, const ConvGrid& grid, const
 
 at::Tensor grid_forward(const at::Tensor& value, const ConvGrid& grid, const GridLayout& layout,
                         const at::Tensor& offsets, const at::Tensor& weights) {
-  follow_torch_thread_count();
+  begin_cpu_call();
   const GridCall c = grid_call(value, grid, offsets, weights);
   at::Tensor output;
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_grid_cpu", [&] {
@@ -175,7 +175,7 @@ PointSource<scalar_t> level_source(const SampledCall& c, const at::Tensor& locat
 
 at::Tensor level_forward(const at::Tensor& value, const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
                          const at::Tensor& locations, const at::Tensor& weights, int64_t points_per_level) {
-  follow_torch_thread_count();
+  begin_cpu_call();
   const SampledCall c = level_call(value, spatial_shapes, level_start_index, locations, weights, points_per_level);
   at::Tensor output;
   SAMPLED_SUM_DISPATCH(value.scalar_type(), "sampled_sum_level_cpu", [&] {
@@ -215,7 +215,7 @@ std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_output, const
                                             const at::Tensor& points, const at::Tensor& point_levels,
                                             const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
                                             BorderGradient border) {
-  follow_torch_thread_count();
+  begin_cpu_call();
   const SampledCall c = stored_call(value, points, point_levels, spatial_shapes, level_start_index);
   const SampledSumSizes& s = c.s;
   const at::Tensor v = value.contiguous(), pts = points.contiguous(), g = grad_output.contiguous();
@@ -238,7 +238,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grid_backward(const at::Tensor& g
                                                              const ConvGrid& grid, const GridLayout& layout,
                                                              const at::Tensor& offsets, const at::Tensor& weights,
                                                              BorderGradient border) {
-  follow_torch_thread_count();
+  begin_cpu_call();
   const GridCall c = grid_call(value, grid, offsets, weights);
   const SampledSumSizes& s = c.s;
   const at::Tensor v = value.contiguous(), g = grad_output.contiguous();
@@ -268,7 +268,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> level_backward(const at::Tensor& 
                                                               const at::Tensor& level_start_index,
                                                               const at::Tensor& locations, const at::Tensor& weights,
                                                               int64_t points_per_level, BorderGradient border) {
-  follow_torch_thread_count();
+  begin_cpu_call();
   const SampledCall c = level_call(value, spatial_shapes, level_start_index, locations, weights, points_per_level);
   const SampledSumSizes& s = c.s;
   TORCH_INTERNAL_ASSERT(grad_output.sizes() == at::IntArrayRef({s.batch, s.queries, s.groups, s.channels}) &&

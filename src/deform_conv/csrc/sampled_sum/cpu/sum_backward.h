@@ -76,12 +76,18 @@ void sum_backward_tasks_body(const SampledSumSizes& s, const SampledLevel* level
     const int64_t slice = level.fits ? level.height * level.width * channels : 0;
     for (int64_t i = 0; i < slice; ++i) grad_slice[i] = 0;
     const LevelInteriorLimits<acc_t> limits = interior_limits<acc_t>(level);
-    for (int64_t q = 0; q < s.queries; ++q) {
+    // Only the span of points holding this level's is read (a level's points are consecutive where the points
+    // come from locations or a grid: one read each, not one per level).
+    int64_t first = s.points, last = 0;
+    for (int64_t k = 0; k < s.points; ++k) {
+      if (level_of_point[k] == l) first = std::min(first, k), last = k + 1;
+    }
+    for (int64_t q = 0; q < s.queries && first < last; ++q) {
       const int64_t row = n * s.queries + q;
       const scalar_t* go = grad_output + s.output_index(n, q, g);
       for (int64_t d = 0; d < channels; ++d) grad[d] = static_cast<acc_t>(go[d]);
-      points.read_group(row, g, x, y, weight);
-      for (int64_t k = 0; k < s.points; ++k) {
+      points.read_group(row, g, x, y, weight, first, last);
+      for (int64_t k = first; k < last; ++k) {
         if (level_of_point[k] != l) continue;
         const acc_t w = weight[k];
         if ((y[k] >= acc_t(0)) & (y[k] < limits.y) & (x[k] >= acc_t(0)) & (x[k] < limits.x)) {

@@ -1,6 +1,6 @@
 // The forward: the weighted sum of each output row's samples. Part of the family's CPU kernels: included by
 // sampled_sum_cpu.cpp only (internal linkage), compiled in one unit with multi-scale deformable attention's CPU
-// kernels, so its names differ from those.
+// entry points, so its names differ from those.
 #pragma once
 
 #include <ATen/OpMathType.h>
