@@ -108,11 +108,11 @@ def main() -> None:
         cold_wall = time.perf_counter() - start
         assert from_cache == "False"
         ((cpu_name, cpu_key),) = entry_keys(cache).items()
-        isa = cpu_name.split("-torch")[0].partition("-")[2] or "portable"  # the tag: cpu-<instruction set>
-        rows.append(f"| cold: `import deform_conv` with an empty cache, CPU library for this CPU ({isa}; "
+        tag = cpu_name.split("-torch")[0]  # the entry's tag names the instruction set: cpu-avx512f, ...
+        rows.append(f"| cold: `import deform_conv` with an empty cache, CPU library for this CPU ({tag}; "
                     f"{cold_wall:.1f} s for the whole process) | {float(cold_seconds):.1f} s | "
                     f"{float(cold_seconds) / yardstick:.1f} |")
-        units.append(f"| CPU ({isa}), cold | {cpu_key['build_seconds']:.1f} s | {units_row(cpu_key)} |")
+        units.append(f"| CPU ({tag}), cold | {cpu_key['build_seconds']:.1f} s | {units_row(cpu_key)} |")
         warm = []
         for _ in range(args.repeats):
             seconds, from_cache = run([sys.executable, "-c", IMPORT_OVERHEAD], cache, DEFORM_CONV_CUDA="0") \
