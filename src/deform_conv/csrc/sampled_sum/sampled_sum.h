@@ -52,8 +52,9 @@ struct SampledSumKernels {
                                                                   const at::Tensor& weights, BorderGradient border);
   // The forward on points in levels read in place from normalised locations (level_points' convention; any layout
   // with point k's x and y at 2 * k and 2 * k + 1 of its group's block, `locations` contiguous [N, Q, G, block],
-  // of the points' dtype or the value's) and contiguous weights [N, Q, G, L * K] (the points' dtype, or the
-  // locations'), K = points_per_level: the same points, the same sums, bitwise. The CPU's only, as grid_forward.
+  // of the points' dtype or the value's) and contiguous weights [N, Q, G, L * K] (the points' dtype or the value's,
+  // each whatever the other's), K = points_per_level: the same points, the same sums, bitwise. The CPU's only, as
+  // grid_forward.
   at::Tensor (*level_forward)(const at::Tensor& value, const at::Tensor& spatial_shapes,
                               const at::Tensor& level_start_index, const at::Tensor& locations,
                               const at::Tensor& weights, int64_t points_per_level);

@@ -137,7 +137,7 @@ SampledCall level_call(const at::Tensor& value, const at::Tensor& spatial_shapes
                             (locations.scalar_type() == point_dtype(value.scalar_type()) ||
                              locations.scalar_type() == value.scalar_type()) &&
                             (weights.scalar_type() == point_dtype(value.scalar_type()) ||
-                             weights.scalar_type() == locations.scalar_type()) &&
+                             weights.scalar_type() == value.scalar_type()) &&
                             points_per_level >= 0 && weights.size(3) == spatial_shapes.size(0) * points_per_level &&
                             locations.size(3) >= 2 * weights.size(3) && weights.size(0) == value.size(0) &&
                             weights.size(2) == value.size(2) && locations.size(0) == value.size(0) &&
