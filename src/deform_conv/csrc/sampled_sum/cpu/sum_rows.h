@@ -36,6 +36,15 @@ struct RowScratch {
         top_left(row_points) {}
 };
 
+// An interior point's sample of one channel, its weight folded into the neighbours' coefficients c0-c3: the one
+// expression, in the one order, that every interior path below sums (so that they give the same bits).
+template <typename scalar_t, typename acc_t>
+inline acc_t interior_sample(acc_t c0, acc_t c1, acc_t c2, acc_t c3, scalar_t v0, scalar_t v1, scalar_t v2,
+                             scalar_t v3) {
+  return c0 * static_cast<acc_t>(v0) + c1 * static_cast<acc_t>(v1) + c2 * static_cast<acc_t>(v2) +
+         c3 * static_cast<acc_t>(v3);
+}
+
 // Channels summed at once in sum_interior_group: one AVX-512 register of float32 (two of AVX2).
 constexpr int64_t kChannelBlock = 16;
 
@@ -59,8 +68,7 @@ inline void sum_interior_group(const RowScratch<acc_t>& r, int64_t first, int64_
       const scalar_t* __restrict__ v3 = v2 + pixel_stride;
 #pragma omp simd
       for (int64_t j = 0; j < kChannelBlock; ++j) {
-        block[j] += c0[k] * static_cast<acc_t>(v0[j]) + c1[k] * static_cast<acc_t>(v1[j]) +
-                    c2[k] * static_cast<acc_t>(v2[j]) + c3[k] * static_cast<acc_t>(v3[j]);
+        block[j] += interior_sample(c0[k], c1[k], c2[k], c3[k], v0[j], v1[j], v2[j], v3[j]);
       }
     }
     for (int64_t j = 0; j < kChannelBlock; ++j) out[d0 + j] = static_cast<scalar_t>(block[j]);
@@ -70,8 +78,7 @@ inline void sum_interior_group(const RowScratch<acc_t>& r, int64_t first, int64_
     for (int64_t k = 0; k < count; ++k) {
       const scalar_t* v0 = image + top_left[k];
       const scalar_t* v2 = v0 + down[k];
-      sum += c0[k] * static_cast<acc_t>(v0[d]) + c1[k] * static_cast<acc_t>(v0[d + pixel_stride]) +
-             c2[k] * static_cast<acc_t>(v2[d]) + c3[k] * static_cast<acc_t>(v2[d + pixel_stride]);
+      sum += interior_sample(c0[k], c1[k], c2[k], c3[k], v0[d], v0[d + pixel_stride], v2[d], v2[d + pixel_stride]);
     }
     out[d] = static_cast<scalar_t>(sum);
   }
@@ -148,8 +155,7 @@ void sum_rows_body(const SampledSumSizes& s, const SampledLevel* levels, const i
           // sum is the task's scratch, never one of the value's pixels: no need to check that they overlap.
 #pragma omp simd
           for (int64_t d = 0; d < channels; ++d) {
-            sum[d] += c0 * static_cast<acc_t>(v0[d]) + c1 * static_cast<acc_t>(v1[d]) +
-                      c2 * static_cast<acc_t>(v2[d]) + c3 * static_cast<acc_t>(v3[d]);
+            sum[d] += interior_sample(c0, c1, c2, c3, v0[d], v1[d], v2[d], v3[d]);
           }
           continue;
         }
