@@ -80,21 +80,10 @@ struct PointSource {
         }
         break;
       }
-      case Kind::grid: {
-        const int64_t pixel = row % (out_height * out_width), oy = pixel / out_width, ox = pixel % out_width;
-        const acc_t bx = base_x[ox], by = base_y[oy];
-        offsets.with_type(row * layout.offset_row + g * layout.offset_group, [&](const auto* offset) {
-          for (int64_t k = first; k < end; ++k) {
-            x[k] = bx + (tap_x[k] + static_cast<acc_t>(offset[2 * k])) * scale;
-            y[k] = by + (tap_y[k] + static_cast<acc_t>(offset[2 * k + 1])) * scale;
-          }
-        });
-        weights.with_type(row * layout.weight_row + layout.weight_start + g * layout.weight_group,
-                          [&](const auto* w) {
-                            for (int64_t k = first; k < end; ++k) weight[k] = static_cast<acc_t>(w[k]);
-                          });
+      case Kind::grid:
+        read_grid(row, row * layout.offset_row + g * layout.offset_group,
+                  row * layout.weight_row + layout.weight_start + g * layout.weight_group, first, end, x, y, weight);
         break;
-      }
       case Kind::levels: {
         offsets.with_type((row * groups + g) * location_group, [&](const auto* location) {
           for (int64_t k = first; k < end; ++k) {
@@ -117,21 +106,28 @@ struct PointSource {
     for (int64_t g = 0; g < groups; ++g) read_group(row, g, x + g * points, y + g * points, weight + g * points);
   }
   // A grid whose groups' offsets and weights follow one another (DCNv3's layout): the row's G * K points in one
-  // loop, vectorised across them (a group's K, 9 for 3x3, are too few for a vector), computed as read_group's.
+  // loop, vectorised across them (a group's K, 9 for 3x3, are too few for a vector).
   void read_grid_row(int64_t row, acc_t* __restrict__ x, acc_t* __restrict__ y, acc_t* __restrict__ weight) const {
+    read_grid(row, row * layout.offset_row, row * layout.weight_row + layout.weight_start, 0, groups * points, x, y,
+              weight);
+  }
+  // Points [first, end) of a grid row's block of offsets (from element offset_at) and weights (from weight_at):
+  // base + (tap + offset) * offset_scale, as grid_points computes them. (The taps repeat for each group, so tap k
+  // is point k's whether the block is a group's or the row's.)
+  void read_grid(int64_t row, int64_t offset_at, int64_t weight_at, int64_t first, int64_t end,
+                 acc_t* __restrict__ x, acc_t* __restrict__ y, acc_t* __restrict__ weight) const {
     const int64_t pixel = row % (out_height * out_width), oy = pixel / out_width, ox = pixel % out_width;
     const acc_t bx = base_x[ox], by = base_y[oy];
-    const int64_t count = groups * points;
-    offsets.with_type(row * layout.offset_row, [&](const auto* offset) {
+    offsets.with_type(offset_at, [&](const auto* offset) {
 #pragma omp simd
-      for (int64_t i = 0; i < count; ++i) {
-        x[i] = bx + (tap_x[i] + static_cast<acc_t>(offset[2 * i])) * scale;
-        y[i] = by + (tap_y[i] + static_cast<acc_t>(offset[2 * i + 1])) * scale;
+      for (int64_t k = first; k < end; ++k) {
+        x[k] = bx + (tap_x[k] + static_cast<acc_t>(offset[2 * k])) * scale;
+        y[k] = by + (tap_y[k] + static_cast<acc_t>(offset[2 * k + 1])) * scale;
       }
     });
-    weights.with_type(row * layout.weight_row + layout.weight_start, [&](const auto* w) {
+    weights.with_type(weight_at, [&](const auto* w) {
 #pragma omp simd
-      for (int64_t i = 0; i < count; ++i) weight[i] = static_cast<acc_t>(w[i]);
+      for (int64_t k = first; k < end; ++k) weight[k] = static_cast<acc_t>(w[k]);
     });
   }
 };
