@@ -6,7 +6,7 @@
 // Each point's neighbours and weights come from sampling.h once for all D channels of its group, the loops over
 // channels are contiguous (channels are innermost) and compiled for the widest instruction set the CPU has
 // (DC_CPU_DISPATCH). In the forward a point whose four neighbours lie in its level takes one pass over the
-// channels for all four; the backward takes one per neighbour (dot_and_scatter).
+// channels for all four; the backward takes one for all four too (dots_and_scatter).
 //
 // The forward splits the rows (image, query) between threads; each output row is written once. The backward
 // splits (image, group, level) between threads: a task owns that slice of value's gradient and the gradients of

@@ -9,24 +9,41 @@
 #include <cstdint>
 
 #include "../../cpu_kernels.h"
+#include "../../cpu_lanes.h"
 #include "levels.h"
 
 namespace deform_conv {
 namespace cpu {
 namespace {
 
-// grad . v over D channels, returned, and gv += weight * grad. The products are summed in vector partial sums,
-// added in an order fixed for each instruction set: the same bits for any thread count.
-template <typename scalar_t, typename acc_t>
-inline acc_t dot_and_scatter(const acc_t* __restrict__ grad, const scalar_t* __restrict__ v, acc_t* __restrict__ gv,
-                             acc_t weight, int64_t channels) {
-  acc_t sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t d = 0; d < channels; ++d) {
-    sum += grad[d] * static_cast<acc_t>(v[d]);
-    gv[d] += weight * grad[d];
+// For each of `corners` neighbours c: dot[c] = grad . v[c] over D channels, summed in cpu_lanes.h's fixed lanes
+// (the same bits for any thread count and instruction set), and gv[c] += weight[c] * grad. The neighbours are
+// distinct pixels (their gv do not overlap). One pass over the channels serves them all.
+template <int corners, typename scalar_t, typename acc_t>
+inline void dots_and_scatter(const acc_t* __restrict__ grad, const scalar_t* const* v, acc_t* const* gv,
+                             const acc_t* weight, int64_t channels, acc_t* dot) {
+  LaneSums<acc_t> part[corners];
+  int64_t d0 = 0;
+  for (; d0 + kSumLanes <= channels; d0 += kSumLanes) {
+#pragma GCC unroll 4
+    for (int c = 0; c < corners; ++c) {
+      part[c].add_products(grad + d0, v[c] + d0);
+      acc_t* __restrict__ out = gv[c] + d0;
+      const acc_t wc = weight[c];
+#pragma omp simd
+      for (int j = 0; j < kSumLanes; ++j) out[j] += wc * grad[d0 + j];
+    }
   }
-  return sum;
+  if (d0 < channels) {
+    const int count = static_cast<int>(channels - d0);
+#pragma GCC unroll 4
+    for (int c = 0; c < corners; ++c) {
+      part[c].add_products(grad + d0, v[c] + d0, count);
+      for (int j = 0; j < count; ++j) gv[c][d0 + j] += weight[c] * grad[d0 + j];
+    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < corners; ++c) dot[c] = part[c].total();
 }
 
 // The backward of a point whose four neighbours lie in its level (interior_limits), as the general path below
@@ -44,13 +61,20 @@ inline void sum_backward_interior(acc_t x, acc_t y, acc_t w, int64_t width, cons
   const acc_t weight[4] = {hy * hx, hy * lx, ly * hx, ly * lx};
   const acc_t weight_dy[4] = {-hx, -lx, hx, lx};
   const acc_t weight_dx[4] = {-hy, hy, -ly, ly};
+  const scalar_t* v[4];
+  acc_t* gv[4];
+  acc_t scatter_weight[4], dot[4];
+  for (int c = 0; c < 4; ++c) {
+    v[c] = image + pixel[c] * pixel_stride;
+    gv[c] = grad_slice + pixel[c] * channels;
+    scatter_weight[c] = w * weight[c];
+  }
+  dots_and_scatter<4>(grad, v, gv, scatter_weight, channels, dot);
   acc_t grad_w = 0, grad_x = 0, grad_y = 0;
   for (int c = 0; c < 4; ++c) {
-    const acc_t dot = dot_and_scatter(grad, image + pixel[c] * pixel_stride, grad_slice + pixel[c] * channels,
-                                      w * weight[c], channels);
-    grad_w += weight[c] * dot;
-    grad_x += weight_dx[c] * dot;
-    grad_y += weight_dy[c] * dot;
+    grad_w += weight[c] * dot[c];
+    grad_x += weight_dx[c] * dot[c];
+    grad_y += weight_dy[c] * dot[c];
   }
   grad_point[0] = w * grad_x;
   grad_point[1] = w * grad_y;
@@ -102,8 +126,10 @@ void sum_backward_tasks_body(const SampledSumSizes& s, const SampledLevel* level
         // weight, or the weight's derivative) * dot[c].
         acc_t dot[4] = {0, 0, 0, 0};
         for (int c = 0; c < b.count; ++c) {
-          dot[c] = dot_and_scatter(grad, image + b.pixel[c] * pixel_stride, grad_slice + b.pixel[c] * channels,
-                                   w * b.weight[c], channels);
+          const scalar_t* v = image + b.pixel[c] * pixel_stride;
+          acc_t* gv = grad_slice + b.pixel[c] * channels;
+          const acc_t scatter_weight = w * b.weight[c];
+          dots_and_scatter<1>(grad, &v, &gv, &scatter_weight, channels, &dot[c]);
         }
         acc_t grad_w = sum_start(b), grad_x = sum_start(b), grad_y = sum_start(b);
         for (int c = 0; c < b.count; ++c) {
