@@ -8,9 +8,11 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "../../cpu_kernels.h"
+#include "../../cpu_lanes.h"
 #include "levels.h"
 
 namespace deform_conv {
@@ -48,6 +50,58 @@ inline acc_t interior_sample(acc_t c0, acc_t c1, acc_t c2, acc_t c3, scalar_t v0
 // Channels summed at once in sum_interior_group: one AVX-512 register of float32 (two of AVX2).
 constexpr int64_t kChannelBlock = 16;
 
+// kChannelBlock channels of sum_interior_group: for each, the K points' interior_sample added in order from 0, and
+// written once, rounded.
+template <typename scalar_t, typename acc_t>
+inline void sum_interior_block(const acc_t* __restrict__ c0, const acc_t* __restrict__ c1, const acc_t* __restrict__ c2,
+                               const acc_t* __restrict__ c3, const int64_t* __restrict__ top_left,
+                               const int64_t* __restrict__ down, int64_t count, const scalar_t* image,
+                               int64_t pixel_stride, scalar_t* out) {
+  acc_t block[kChannelBlock] = {};
+  for (int64_t k = 0; k < count; ++k) {
+    const scalar_t* __restrict__ v0 = image + top_left[k];
+    const scalar_t* __restrict__ v1 = v0 + pixel_stride;
+    const scalar_t* __restrict__ v2 = v0 + down[k];
+    const scalar_t* __restrict__ v3 = v2 + pixel_stride;
+#pragma omp simd
+    for (int64_t j = 0; j < kChannelBlock; ++j) {
+      block[j] += interior_sample(c0[k], c1[k], c2[k], c3[k], v0[j], v1[j], v2[j], v3[j]);
+    }
+  }
+  for (int64_t j = 0; j < kChannelBlock; ++j) out[j] = static_cast<scalar_t>(block[j]);
+}
+
+#if defined(__GNUC__)
+// The same in float, the block one vector of cpu_lanes.h, the neighbours widened there in registers (c10's float16
+// conversion, one value at a time, kept the loop above scalar): interior_sample's operations in its order, so the
+// same bits.
+template <typename scalar_t>
+inline void sum_interior_block(const float* __restrict__ c0, const float* __restrict__ c1, const float* __restrict__ c2,
+                               const float* __restrict__ c3, const int64_t* __restrict__ top_left,
+                               const int64_t* __restrict__ down, int64_t count, const scalar_t* image,
+                               int64_t pixel_stride, scalar_t* out) {
+  static_assert(kChannelBlock == kSumLanes, "a block is one vector of lanes");
+  FloatLanes block = {};
+  for (int64_t k = 0; k < count; ++k) {
+    const scalar_t* v0 = image + top_left[k];
+    const scalar_t* v2 = v0 + down[k];
+    FloatLanes n0, n1, n2, n3;
+    load_lanes(v0, n0);
+    load_lanes(v0 + pixel_stride, n1);
+    load_lanes(v2, n2);
+    load_lanes(v2 + pixel_stride, n3);
+    block += c0[k] * n0 + c1[k] * n1 + c2[k] * n2 + c3[k] * n3;
+  }
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    store_lanes(block, out);
+  } else {
+    float sums[kSumLanes];
+    store_lanes(block, sums);
+    for (int j = 0; j < kSumLanes; ++j) out[j] = static_cast<scalar_t>(sums[j]);
+  }
+}
+#endif
+
 // The sums of a group whose K points are all interior: for each block of channels, the K points' contributions
 // added in registers, in the order of the points (the same additions, in the same order, as the point-by-point
 // loop of sum_rows_body: the same bits), and written once. Most groups of most rows are such; the point-by-point
@@ -60,18 +114,7 @@ inline void sum_interior_group(const RowScratch<acc_t>& r, int64_t first, int64_
   const int64_t *__restrict__ top_left = r.top_left.data() + first, *__restrict__ down = row_step + first;
   int64_t d0 = 0;
   for (; d0 + kChannelBlock <= channels; d0 += kChannelBlock) {
-    acc_t block[kChannelBlock] = {};
-    for (int64_t k = 0; k < count; ++k) {
-      const scalar_t* __restrict__ v0 = image + top_left[k] + d0;
-      const scalar_t* __restrict__ v1 = v0 + pixel_stride;
-      const scalar_t* __restrict__ v2 = v0 + down[k];
-      const scalar_t* __restrict__ v3 = v2 + pixel_stride;
-#pragma omp simd
-      for (int64_t j = 0; j < kChannelBlock; ++j) {
-        block[j] += interior_sample(c0[k], c1[k], c2[k], c3[k], v0[j], v1[j], v2[j], v3[j]);
-      }
-    }
-    for (int64_t j = 0; j < kChannelBlock; ++j) out[d0 + j] = static_cast<scalar_t>(block[j]);
+    sum_interior_block(c0, c1, c2, c3, top_left, down, count, image + d0, pixel_stride, out + d0);
   }
   for (int64_t d = d0; d < channels; ++d) {  // the channels after the last whole block
     acc_t sum = 0;
