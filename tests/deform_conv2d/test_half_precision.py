@@ -323,3 +323,27 @@ def test_the_default_path_is_what_the_op_says(half):
             assert not torch.equal(got, float32_rounded(case, tensors, half))
         else:
             assert torch.equal(case.call(ours, tensors), float32_rounded(case, tensors, half))
+
+
+@HALF_TYPES
+def test_native_columns_are_rounded_as_torch_rounds(half):
+    """Each column value is sampled in float32 and rounded once to the half type as it is written (16 channels at
+    a time in registers, the rest one by one): exactly torch's rounding of the same float32 value. A 1x1 layer with
+    the identity as its weight outputs its columns unchanged; a shift of half a pixel to the right, and the mask,
+    make each column (0.5 a + 0.5 b + 0 c + 0 d) * m of two neighbours a, b (c, d the row below), a float32 value
+    that needs rounding: ties, float16's subnormals among them. 40 channels: two blocks of 16 and a rest of 8.
+    (No infinities: the GEMM would add 0 * inf of the other channels.)"""
+    g = torch.Generator().manual_seed(3)
+    channels, height, width = 40, 9, 33
+    scale = 4.0 ** torch.randint(-9, 5, (1, channels, height, width), generator=g)
+    x = (torch.randn(1, channels, height, width, generator=g) * scale).to(half)
+    offset = torch.zeros(1, 2, height, width)
+    offset[:, 1] = 0.5
+    mask = (torch.rand(1, 1, height, width, generator=g) * 3).to(half)
+    weight = torch.eye(channels).view(channels, channels, 1, 1).to(half)
+    with half_gemm_path("portable"):
+        got = ours(x, offset.to(half), weight, mask=mask)
+    a, b = x[..., :-1].float(), x[..., 1:].float()
+    expected = ((0.5 * a + 0.5 * b) * mask[..., :-1].float()).to(half)
+    assert torch.equal(got[..., :-1], expected)  # the last column's right neighbour lies outside
+    assert (expected != (0.5 * a + 0.5 * b).to(half)).any() and (expected.float() != expected.float().round()).any()

@@ -59,15 +59,16 @@ typedef uint16_t HalfBitLanes __attribute__((vector_size(kSumLanes * sizeof(uint
 inline void load_lanes(const float* p, FloatLanes& lanes) { std::memcpy(&lanes, p, sizeof(lanes)); }
 
 // The 16-bit patterns at p, each shifted into the upper half of a 32-bit lane.
-inline BitLanes upper_halves(const void* p) {
+inline void upper_halves(const void* p, BitLanes& bits) {
   HalfBitLanes half;
   std::memcpy(&half, p, sizeof(half));
-  return __builtin_convertvector(half, BitLanes) << 16;
+  bits = __builtin_convertvector(half, BitLanes) << 16;
 }
 
 // bfloat16 is the upper half of a float32.
 inline void load_lanes(const c10::BFloat16* p, FloatLanes& lanes) {
-  const BitLanes bits = upper_halves(p);
+  BitLanes bits;
+  upper_halves(p, bits);
   std::memcpy(&lanes, &bits, sizeof(lanes));
 }
 
@@ -75,7 +76,8 @@ inline void load_lanes(const c10::BFloat16* p, FloatLanes& lanes) {
 // NaNs), on 16 lanes at once. c10's own is written for one value, and compiled without F16C (the library's flags
 // do not name it) the loops that call it stay scalar: a tenth of float32's speed.
 inline void load_lanes(const c10::Half* p, FloatLanes& lanes) {
-  const BitLanes w = upper_halves(p);
+  BitLanes w;
+  upper_halves(p, w);
   const BitLanes sign = w & 0x80000000u;
   const BitLanes two_w = w + w;
   FloatLanes normalized, denormalized;
@@ -102,6 +104,44 @@ inline void load_lanes(const scalar_t* p, FloatLanes& lanes) {
 }
 
 inline void store_lanes(const FloatLanes& lanes, float* p) { std::memcpy(p, &lanes, sizeof(lanes)); }
+
+// The lanes rounded to bfloat16 at p: to nearest, ties to even, a NaN to 0x7FC0 (c10::BFloat16's rule, torch's
+// .to()), on the bits.
+inline void store_lanes(const FloatLanes& lanes, c10::BFloat16* p) {
+  BitLanes bits;
+  std::memcpy(&bits, &lanes, sizeof(bits));
+  const BitLanes is_nan = (BitLanes)((bits & 0x7fffffffu) > 0x7f800000u);
+  const BitLanes rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const HalfBitLanes out = __builtin_convertvector((rounded & ~is_nan) | (0x7fc0u & is_nan), HalfBitLanes);
+  std::memcpy(p, &out, sizeof(out));
+}
+
+// The lanes rounded to float16 at p: c10's portable conversion (fp16_ieee_from_fp32_value: to nearest, ties to
+// even, overflow to infinity, subnormals, NaN to 0x7E00 with the sign), on 16 lanes at once.
+inline void store_lanes(const FloatLanes& lanes, c10::Half* p) {
+  BitLanes w;
+  std::memcpy(&w, &lanes, sizeof(w));
+  const BitLanes magnitude_bits = w & 0x7fffffffu;
+  FloatLanes base;
+  std::memcpy(&base, &magnitude_bits, sizeof(base));
+  base = (base * 0x1.0p+112f) * 0x1.0p-110f;
+  const BitLanes shl1_w = w + w;
+  const BitLanes sign = w & 0x80000000u;
+  BitLanes bias = shl1_w & 0xff000000u;
+  const BitLanes small = (BitLanes)(bias < 0x71000000u);
+  bias = (bias & ~small) | (0x71000000u & small);
+  const BitLanes bias_bits = (bias >> 1) + 0x07800000u;
+  FloatLanes bias_value;
+  std::memcpy(&bias_value, &bias_bits, sizeof(bias_value));
+  base = bias_value + base;
+  BitLanes bits;
+  std::memcpy(&bits, &base, sizeof(bits));
+  const BitLanes nonsign = ((bits >> 13) & 0x00007c00u) + (bits & 0x00000fffu);
+  const BitLanes is_nan = (BitLanes)(shl1_w > 0xff000000u);
+  const BitLanes half = (sign >> 16) | (nonsign & ~is_nan) | (0x7e00u & is_nan);
+  const HalfBitLanes out = __builtin_convertvector(half, HalfBitLanes);
+  std::memcpy(p, &out, sizeof(out));
+}
 
 // The 16 partial sums in one vector.
 template <>

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -79,9 +80,48 @@ void narrow(const float* src, int64_t n, c10::Half* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = c10::Half(src[i]);
 }
 
+namespace {
+
+#if defined(__GNUC__)
+// transpose_narrowing in blocks of 16 rows of src: the block turned over in float32 into `turned` [cols, 16],
+// then each row of 16 rounded in registers (cpu_lanes.h) and stored; a last block of fewer rows value by value.
+template <typename half_t>
+DC_CPU_DISPATCH void transpose_narrowing_blocks(const float* src, int64_t rows, int64_t cols, int64_t ld_src,
+                                                half_t* dst, int64_t ld_dst, const float* add, float* turned) {
+  for (int64_t i0 = 0; i0 < rows; i0 += kSumLanes) {
+    const int64_t block = std::min<int64_t>(kSumLanes, rows - i0);
+    for (int64_t j = 0; j < cols; ++j) {
+      const float* from = src + i0 * ld_src + j;
+      float* to = turned + j * kSumLanes;
+      if (add != nullptr) {
+        for (int64_t i = 0; i < block; ++i) to[i] = from[i * ld_src] + add[j];
+      } else {
+        for (int64_t i = 0; i < block; ++i) to[i] = from[i * ld_src];
+      }
+    }
+    for (int64_t j = 0; j < cols; ++j) {
+      if (block == kSumLanes) {
+        FloatLanes lanes;
+        load_lanes(turned + j * kSumLanes, lanes);
+        store_lanes(lanes, dst + j * ld_dst + i0);
+      } else {
+        for (int64_t i = 0; i < block; ++i) dst[j * ld_dst + i0 + i] = static_cast<half_t>(turned[j * kSumLanes + i]);
+      }
+    }
+  }
+}
+#endif
+
+}  // namespace
+
 template <typename half_t>
 void transpose_narrowing(const float* src, int64_t rows, int64_t cols, int64_t ld_src, half_t* dst, int64_t ld_dst,
                          const float* add) {
+#if defined(__GNUC__)
+  thread_local std::vector<float> turned;
+  turned.resize(cols * kSumLanes);
+  transpose_narrowing_blocks(src, rows, cols, ld_src, dst, ld_dst, add, turned.data());
+#else
   // In blocks of 16 rows of src, as transpose() does; each block of a dst row is gathered in float32 and rounded
   // in one call.
   constexpr int64_t kBlock = 16;
@@ -98,6 +138,7 @@ void transpose_narrowing(const float* src, int64_t rows, int64_t cols, int64_t l
       narrow(gathered, block, dst + j * ld_dst + i0);
     }
   }
+#endif
 }
 
 template void transpose_narrowing<c10::BFloat16>(const float*, int64_t, int64_t, int64_t, c10::BFloat16*, int64_t,

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "sampling_point.h"
@@ -108,10 +109,10 @@ struct BlockWalk {
   const ChannelPiece* pieces_end(int64_t group) const { return groups.pieces.data() + groups.starts[group + 1]; }
 };
 
-template <typename scalar_t>
+template <typename scalar_t, typename column_t>
 void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
                     int64_t first_image, int64_t row_begin, int64_t row_end,
-                    scalar_t* columns) {
+                    column_t* columns) {
   const int64_t channels = p.in_channels, pixels = p.out_pixels(), per_group = p.in_channels_per_group();
   const int64_t row_size = p.taps() * channels;
   const bool masked = in.mask != nullptr;
@@ -122,7 +123,7 @@ void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
     const int64_t len = std::min({kPointBlock, row_end - row, pixels - first});
     const scalar_t* image = in.input + n * p.height * p.width * channels;
     walk.start_block(first, len);
-    scalar_t* block_columns = columns + (row - row_begin) * row_size;
+    column_t* block_columns = columns + (row - row_begin) * row_size;
     for (int64_t group = 0; group < p.offset_groups; ++group) {
       walk.compute_group(n, group, first, len);
       const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
@@ -130,9 +131,13 @@ void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
         for (int64_t tap = 0; tap < p.taps(); ++tap) {
           const Corners<scalar_t> corners = walk.taps[tap].corners(b, image, p.width, channels, zeros);
           const scalar_t m = masked ? in.mask[p.mask_index(n, group, tap, first + b)] : scalar_t(1);
-          scalar_t* dst = block_columns + b * row_size + tap * per_group;
+          column_t* dst = block_columns + b * row_size + tap * per_group;
           for (const ChannelPiece* piece = pieces_begin; piece != pieces_end; ++piece) {
-            interpolate_corners(corners, piece->channel, piece->length, masked, m, dst + piece->column);
+            if constexpr (std::is_same_v<column_t, scalar_t>) {
+              interpolate_corners(corners, piece->channel, piece->length, masked, m, dst + piece->column);
+            } else {
+              interpolate_corners_rounded(corners, piece->channel, piece->length, masked, m, dst + piece->column);
+            }
           }
         }
       }
@@ -257,9 +262,9 @@ void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64
   });
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename column_t>
 void fill_column_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
-                      int64_t row_begin, int64_t row_end, scalar_t* columns) {
+                      int64_t row_begin, int64_t row_end, column_t* columns) {
   fill_rows<scalar_t>(p, in, first_image, row_begin, row_end, columns);
 }
 
@@ -288,7 +293,7 @@ void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& 
 
 #define DEFORM_CONV_INSTANTIATE(T)                                                                              \
   template void fill_columns<T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t, T*);            \
-  template void fill_column_rows<T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t, int64_t, T*); \
+  template void fill_column_rows<T, T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t, int64_t, T*); \
   template void coordinate_and_mask_grads<T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t,    \
                                              const T*, T*, T*);                                                \
   template void accumulate_input_grad<T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t,        \
@@ -296,6 +301,10 @@ void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& 
 DEFORM_CONV_INSTANTIATE(float)
 DEFORM_CONV_INSTANTIATE(double)
 #undef DEFORM_CONV_INSTANTIATE
+template void fill_column_rows<float, c10::BFloat16>(const ConvParams&, const SamplingInputs<float>&, int64_t,
+                                                     int64_t, int64_t, c10::BFloat16*);
+template void fill_column_rows<float, c10::Half>(const ConvParams&, const SamplingInputs<float>&, int64_t, int64_t,
+                                                 int64_t, c10::Half*);
 
 }  // namespace cpu
 }  // namespace deform_conv

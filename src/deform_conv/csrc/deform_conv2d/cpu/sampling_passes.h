@@ -29,10 +29,11 @@ void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64
 
 // The same for rows [row_begin, row_end) of the chunk only (a row is one (image, output pixel), numbered from
 // the chunk's first image), written from `columns` on: `columns` holds row row_begin's columns. Serial: for
-// callers that parallelise themselves.
-template <typename scalar_t>
+// callers that parallelise themselves. column_t is scalar_t, or for float a half type: each column sampled in
+// float and rounded once to it (the half types' GEMM reads them so).
+template <typename scalar_t, typename column_t>
 void fill_column_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
-                      int64_t row_begin, int64_t row_end, scalar_t* columns);
+                      int64_t row_begin, int64_t row_end, column_t* columns);
 
 // From the columns' gradient: d loss / d offset and d loss / d mask of the chunk's images
 // (grad_mask is nullptr without a mask). Each sampling point sums over its offset group's channels.

@@ -39,11 +39,15 @@ struct Tiling {
   int64_t pixels, tiles;
 };
 
-// Bytes per pixel of a tile: its columns and its product in float32, and for the half types the columns once
-// more, rounded.
+// Floats of a tile's columns per pixel: the half types' columns are in their own type (two to a float).
+int64_t column_floats_per_pixel(const ConvParams& p, at::ScalarType dtype) {
+  const int64_t row_size = p.taps() * p.in_channels;
+  return is_half_type(dtype) ? ceil_div(row_size, 2) : row_size;
+}
+
+// Bytes per pixel of a tile: its columns, and its product in float32.
 int64_t tile_bytes_per_pixel(const ConvParams& p, at::ScalarType dtype) {
-  const int64_t half_columns = is_half_type(dtype) ? p.taps() * p.in_channels * 2 : 0;
-  return (p.taps() * p.in_channels + p.out_channels) * static_cast<int64_t>(sizeof(float)) + half_columns;
+  return (column_floats_per_pixel(p, dtype) + p.out_channels) * static_cast<int64_t>(sizeof(float));
 }
 
 // As large as kTileBytes allows, but small enough (down to kMinTilePixels) that every thread gets a tile.
@@ -148,9 +152,11 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
   const int64_t row_size = p.taps() * p.in_channels, pixels = p.out_pixels();
   const int64_t plane = p.height * p.width, image_size = plane * p.in_channels;
   const Tiling tiles = tiling(p, input.scalar_type(), at::get_num_threads());
-  // Per thread: the tile's float32 columns and product, then (the half types) its rounded columns, then the
-  // thread's turned image and (the half types) the staging rows it is widened through.
-  const int64_t tile_floats = (row_size + p.out_channels) * tiles.pixels + (kHalf ? ceil_div(row_size * tiles.pixels, 2) : 0);
+  // Per thread: the tile's float32 product, then its columns (the half types': sampled in float32 and rounded once
+  // as they are written), then the thread's turned image and (the half types) the staging rows it is widened
+  // through.
+  const int64_t column_floats = column_floats_per_pixel(p, input.scalar_type()) * tiles.pixels;
+  const int64_t tile_floats = p.out_channels * tiles.pixels + column_floats;
 
   // Each thread turns the images it works on to channels-last itself, into a buffer that stays in its cache
   // (an image whose tiles two threads share is turned by both). That pays where most images are one thread's
@@ -172,12 +178,11 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
   scalar_t* out = output.mutable_data_ptr<scalar_t>();
 
   at::parallel_for(0, p.batch * tiles.tiles, 1, [&](int64_t begin, int64_t end) {
-    float* columns = static_cast<float*>(
+    float* product = static_cast<float*>(  // [tile pixels, C_out]
         scratch_bytes(ScratchSlot::tile, (tile_floats + turn_floats) * int64_t(sizeof(float))));
-    float* product = columns + row_size * tiles.pixels;      // [tile pixels, C_out]
     float* after_product = product + p.out_channels * tiles.pixels;
-    scalar_t* rounded = reinterpret_cast<scalar_t*>(after_product);  // the half types: [tile pixels, row_size]
-    float* turned = after_product + (kHalf ? ceil_div(row_size * tiles.pixels, 2) : 0);  // channels-last image
+    scalar_t* columns = reinterpret_cast<scalar_t*>(after_product);  // [tile pixels, row_size]
+    float* turned = after_product + column_floats;  // channels-last image
     float* staging = turned + image_size;
     int64_t turned_image = -1;
     for (int64_t task = begin; task < end; ++task) {
@@ -193,12 +198,11 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
                                      masks != nullptr ? masks + p.mask_index(n, 0, 0, 0) : nullptr};
       fill_column_rows(p, in, /*first_image=*/0, first, first + len, columns);
       // product[:, group g's panel] = columns[:, group g] x panel
-      if constexpr (kHalf) narrow(columns, len * row_size, rounded);
       for (int64_t g = 0; g < p.groups; ++g) {
         for (int64_t c = 0; c < out_per_group; c += kPanelWidth) {
           const int64_t width = std::min(kPanelWidth, out_per_group - c);
           if constexpr (kHalf) {
-            half_gemm_on_this_thread(gemm, len, width, per_group, rounded + g * per_group, row_size,
+            half_gemm_on_this_thread(gemm, len, width, per_group, columns + g * per_group, row_size,
                                      weights + (g * panels.panels_per_group + c / kPanelWidth) * panels.slot,
                                      product + g * out_per_group + c, p.out_channels, /*accumulate=*/false);
           } else {
@@ -230,7 +234,10 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
 
 bool tiled_forward_applies(const ConvParams& p, const at::Tensor& input) {
   const at::ScalarType dtype = input.scalar_type();
-  if (tile_bytes_per_pixel(p, dtype) * kMinTilePixels > kTileBytes) return false;
+  // Whether the layer's GEMMs get enough pixels per weight element streamed, judged on float32 tiles for every
+  // dtype: a half-type layer whose tiles fit only because its columns are half as large (512 channels at 3x3)
+  // still ran slower here than on the driver's path.
+  if (tile_bytes_per_pixel(p, at::kFloat) * kMinTilePixels > kTileBytes) return false;
   if (dtype == at::kFloat) return batch_reduce_gemm_works();
   return is_half_type(dtype) && p.taps() * p.in_channels_per_group() % 2 == 0 &&
          half_gemm_for(dtype).uses_native_path();
