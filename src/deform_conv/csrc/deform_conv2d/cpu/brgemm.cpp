@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <string>
 
+#include "half_conversion.h"
 #include "half_gemm.h"
 #include "scratch.h"
 #include "transpose.h"
@@ -73,6 +74,30 @@ void release_gemm_context() {
 
 namespace {
 
+// The grad_weights GEMM's tasks: (group, block of rows, panel of columns) of grad_weights [C_out, taps * C_in/G].
+struct WeightGradientTasks {
+  struct Task {
+    int64_t group, first_row, rows, first_column, width;
+  };
+  int64_t out_per_group, per_group, panels, row_block, row_blocks, count;
+
+  explicit WeightGradientTasks(const ConvParams& p)
+      : out_per_group(p.out_channels_per_group()), per_group(p.taps() * p.in_channels_per_group()),
+        panels(ceil_div(per_group, kWeightPanel)), row_block(std::min(kMaxWeightRowBlock, out_per_group)) {
+    while (row_block > kMinWeightRowBlock &&
+           p.groups * ceil_div(out_per_group, row_block) * panels < 8 * at::get_num_threads()) {
+      row_block = ceil_div(row_block, 2);
+    }
+    row_blocks = ceil_div(out_per_group, row_block);
+    count = p.groups * row_blocks * panels;
+  }
+  Task task(int64_t t) const {
+    const int64_t g = t / (row_blocks * panels), c0 = g * out_per_group + t / panels % row_blocks * row_block;
+    const int64_t k0 = t % panels * kWeightPanel;
+    return {g, c0, std::min(row_block, (g + 1) * out_per_group - c0), k0, std::min(kWeightPanel, per_group - k0)};
+  }
+};
+
 // The backward's two GEMMs, in tasks that each own their results, with `multiply(m, n, k, a, ld_a, b, ld_b, c,
 // ld_c, accumulate)` (float32 operands and sums, on the calling thread) and `release()` at the end of each
 // thread's run.
@@ -91,19 +116,10 @@ void backward_gemms_in_tasks(const ConvParams& p, const at::Tensor& grad_output,
 
   // grad_weights[c, k] += sum over images n and pixels of grad_output[n, c, pixel] * columns[n, pixel, g, k],
   // for output channel c of group g. Each task owns a block of rows and a panel of columns of grad_weights.
-  const int64_t panels = ceil_div(per_group, kWeightPanel);
-  int64_t row_block = std::min(kMaxWeightRowBlock, out_per_group);
-  while (row_block > kMinWeightRowBlock &&
-         p.groups * ceil_div(out_per_group, row_block) * panels < 8 * at::get_num_threads()) {
-    row_block = ceil_div(row_block, 2);
-  }
-  const int64_t row_blocks = ceil_div(out_per_group, row_block);
-  at::parallel_for(0, p.groups * row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
+  const WeightGradientTasks tasks(p);
+  at::parallel_for(0, tasks.count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task / (row_blocks * panels), c0 = g * out_per_group + task / panels % row_blocks * row_block;
-      const int64_t k0 = task % panels * kWeightPanel;
-      const int64_t rows = std::min(row_block, (g + 1) * out_per_group - c0);
-      const int64_t width = std::min(kWeightPanel, per_group - k0);
+      const auto [g, c0, rows, k0, width] = tasks.task(task);
       for (int64_t n = 0; n < images; ++n) {
         multiply(rows, width, pixels, grad_out + (n * p.out_channels + c0) * pixels, pixels,
                  cols + n * pixels * row + g * per_group + k0, row, grad_w + c0 * per_group + k0, per_group,
@@ -139,6 +155,86 @@ bool grad_output_tile_fits(const ConvParams& p) {
   return kPixelTile * p.out_channels * int64_t(sizeof(float)) <= kMaxKeptScratchBytes;
 }
 
+// The same GEMMs on half_t factors, each rounded once: grad_output, the columns and the weight before the GEMMs
+// (torch's rounding), the columns' panels packed per task as the GEMM reads them, the weight's once. The same
+// blocks, calls and sums as multiply_rounded would make from the float32 operands, so the same bits; but each
+// value is rounded once, not once per task that reads it.
+template <typename half_t>
+void half_backward_gemms_in_tasks(const ConvParams& p, const HalfGemm& gemm, const at::Tensor& grad_output,
+                                  int64_t first, int64_t images, const at::Tensor& weight_matrix,
+                                  at::Tensor& columns, at::Tensor& grad_weights) {
+  const at::ScalarType dtype = c10::CppTypeToScalarType<half_t>::value;
+  const int64_t pixels = p.out_pixels(), row = p.taps() * p.in_channels, depth = even(pixels);
+  const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
+  // [images, C_out, pixels] rounded, a zero past an odd pixel count: the rows the grad_weights GEMM reads.
+  at::Tensor grad_out_h = grad_output.new_zeros({images, p.out_channels, depth}, grad_output.options().dtype(dtype));
+  grad_out_h.narrow(2, 0, pixels).copy_(grad_output.narrow(0, first, images).reshape({images, p.out_channels, pixels}));
+  const at::Tensor columns_h = columns.to(dtype);  // [images, pixels, groups, taps * C_in/G]
+  // Each group's weight [C_out/G, taps * C_in/G] as panels of kPanelWidth columns, packed over all its rows.
+  const at::Tensor weight_c = weight_matrix.contiguous();
+  const int64_t panels = ceil_div(per_group, kPanelWidth), slot = even(out_per_group) * packed_width(kPanelWidth);
+  at::Tensor weight_packed = grad_output.new_empty({p.groups * panels * slot}, grad_output.options().dtype(dtype));
+  at::parallel_for(0, p.groups * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t g = t / panels, n0 = t % panels * kPanelWidth;
+      pack_weight_panel(gemm, out_per_group, std::min(kPanelWidth, per_group - n0),
+                        weight_c.const_data_ptr<float>() + g * out_per_group * per_group + n0, per_group,
+                        weight_packed.mutable_data_ptr<half_t>() + t * slot);
+    }
+  });
+  const half_t* grad_out = grad_out_h.const_data_ptr<half_t>();
+  const half_t* cols_h = columns_h.const_data_ptr<half_t>();
+  const half_t* weight = weight_packed.const_data_ptr<half_t>();
+  float* cols = columns.mutable_data_ptr<float>();
+  float* grad_w = grad_weights.mutable_data_ptr<float>();
+
+  const WeightGradientTasks tasks(p);
+  at::parallel_for(0, tasks.count, 1, [&](int64_t begin, int64_t end) {
+    half_t* packed = static_cast<half_t*>(
+        scratch_bytes(ScratchSlot::half_factors, depth * packed_width(kWeightPanel) * int64_t(sizeof(half_t))));
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [g, c0, rows, k0, width] = tasks.task(task);
+      for (int64_t n = 0; n < images; ++n) {
+        pack_weight_panel(gemm, pixels, width, cols_h + n * pixels * row + g * per_group + k0, row, packed);
+        half_gemm_on_this_thread(gemm, rows, width, depth, grad_out + (n * p.out_channels + c0) * depth, depth,
+                                 packed, grad_w + c0 * per_group + k0, per_group, /*accumulate=*/true);
+      }
+    }
+    release_half_gemm_context(gemm);
+  });
+
+  // columns[n, pixel, g, :] = grad_output[n, group g's channels, pixel] x weight[g]: each task a tile of pixels of
+  // one image, its grad_output turned to [pixel, C_out] in float32, then each group's rounded to
+  // [pixel, even(C_out/G)], a zero past an odd count.
+  const int64_t tiles = ceil_div(pixels, kPixelTile), group_depth = even(out_per_group);
+  const at::Tensor grad_out_c = grad_output.narrow(0, first, images).contiguous();
+  at::parallel_for(0, images * tiles, 1, [&](int64_t begin, int64_t end) {
+    const int64_t turned_bytes = kPixelTile * p.out_channels * int64_t(sizeof(float));
+    const int64_t rounded_bytes = kPixelTile * group_depth * int64_t(sizeof(half_t));
+    float* turned = static_cast<float*>(scratch_bytes(ScratchSlot::tile, turned_bytes + rounded_bytes));
+    half_t* rounded = reinterpret_cast<half_t*>(turned + kPixelTile * p.out_channels);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / tiles, first_pixel = task % tiles * kPixelTile;
+      const int64_t len = std::min(kPixelTile, pixels - first_pixel);
+      transpose(grad_out_c.const_data_ptr<float>() + n * p.out_channels * pixels + first_pixel, p.out_channels,
+                len, pixels, turned, p.out_channels);
+      for (int64_t g = 0; g < p.groups; ++g) {
+        for (int64_t i = 0; i < len; ++i) {
+          narrow(turned + i * p.out_channels + g * out_per_group, out_per_group, rounded + i * group_depth);
+          if (group_depth > out_per_group) rounded[i * group_depth + out_per_group] = half_t(0.f);
+        }
+        for (int64_t n0 = 0; n0 < per_group; n0 += kPanelWidth) {
+          half_gemm_on_this_thread(gemm, len, std::min(kPanelWidth, per_group - n0), group_depth, rounded,
+                                   group_depth, weight + (g * panels + n0 / kPanelWidth) * slot,
+                                   cols + (n * pixels + first_pixel) * row + g * per_group + n0, row,
+                                   /*accumulate=*/false);
+        }
+      }
+    }
+    release_half_gemm_context(gemm);
+  });
+}
+
 }  // namespace
 
 bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
@@ -160,11 +256,7 @@ bool half_backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int
       !grad_output_tile_fits(p) || !gemm.uses_native_path()) {
     return false;
   }
-  backward_gemms_in_tasks(
-      p, grad_output, first, images, weight_matrix, columns, grad_weights,
-      [&](int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a, const float* b, int64_t ld_b, float* c,
-          int64_t ld_c, bool accumulate) { multiply_rounded<half_t>(gemm, m, n, k, a, ld_a, b, ld_b, c, ld_c, accumulate); },
-      [&] { release_half_gemm_context(gemm); });
+  half_backward_gemms_in_tasks<half_t>(p, gemm, grad_output, first, images, weight_matrix, columns, grad_weights);
   return true;
 }
 
