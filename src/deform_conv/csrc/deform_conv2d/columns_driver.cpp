@@ -169,15 +169,16 @@ at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const
 
   const SamplingTensors tensors(passes, input, offset, mask);
   const at::Tensor weight_1x1 = weight_as_1x1(p, weight);
-  const int64_t chunk = images_per_chunk(p, input.element_size(), passes.column_budget_bytes);
-  at::Tensor columns = column_buffer(passes, p, std::min(chunk, p.batch), input.options());
+  // With gemm_dtype, the fill pass writes the columns in it (rounded once as they are sampled).
+  const at::TensorOptions column_options = input.options().dtype(gemm_dtype.value_or(input.scalar_type()));
+  const int64_t chunk = images_per_chunk(p, column_options.dtype().itemsize(), passes.column_budget_bytes);
+  at::Tensor columns = column_buffer(passes, p, std::min(chunk, p.batch), column_options);
   for (int64_t first = 0; first < p.batch; first += chunk) {
     const int64_t images = std::min(chunk, p.batch - first);
     at::Tensor chunk_columns = columns.narrow(0, 0, images);
     passes.fill_columns(p, tensors, first, images, chunk_columns);
     if (passes.gemm_as_convolution) {
-      const at::Tensor factors = gemm_dtype.has_value() ? chunk_columns.to(*gemm_dtype) : chunk_columns;
-      output.narrow(0, first, images).copy_(at::conv2d(factors, weight_1x1, bias, kOnes, kZeros, kOnes, p.groups));
+      output.narrow(0, first, images).copy_(at::conv2d(chunk_columns, weight_1x1, bias, kOnes, kZeros, kOnes, p.groups));
       continue;
     }
     chunk_gemms_forward(p, chunk_columns, weight_1x1, bias, output.narrow(0, first, images));

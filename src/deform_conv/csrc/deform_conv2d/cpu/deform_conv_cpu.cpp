@@ -28,10 +28,21 @@ SamplingInputs<scalar_t> pointers(const SamplingTensors& t) {
           t.mask.defined() ? t.mask.const_data_ptr<scalar_t>() : nullptr};
 }
 
+// The columns in the input's dtype, or for a float32 input (a half-type layer's, widened) in the half type of the
+// column buffer: rounded once as they are sampled, for the half GEMM.
 void fill(const ConvParams& p, const SamplingTensors& t, int64_t first, int64_t images, at::Tensor& columns) {
-  AT_DISPATCH_FLOATING_TYPES(t.input.scalar_type(), "deform_conv2d_cpu", [&] {
-    fill_columns<scalar_t>(p, pointers<scalar_t>(t), first, images, columns.mutable_data_ptr<scalar_t>());
-  });
+  switch (columns.scalar_type()) {
+    case at::kBFloat16:
+      fill_columns(p, pointers<float>(t), first, images, columns.mutable_data_ptr<c10::BFloat16>());
+      return;
+    case at::kHalf:
+      fill_columns(p, pointers<float>(t), first, images, columns.mutable_data_ptr<c10::Half>());
+      return;
+    default:
+      AT_DISPATCH_FLOATING_TYPES(t.input.scalar_type(), "deform_conv2d_cpu", [&] {
+        fill_columns(p, pointers<scalar_t>(t), first, images, columns.mutable_data_ptr<scalar_t>());
+      });
+  }
 }
 
 void coordinate_grads(const ConvParams& p, const SamplingTensors& t, int64_t first, int64_t images,

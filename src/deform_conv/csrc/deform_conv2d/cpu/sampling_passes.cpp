@@ -254,9 +254,9 @@ DC_CPU_KERNEL(input_grad_tasks)
 
 }  // namespace
 
-template <typename scalar_t>
+template <typename scalar_t, typename column_t>
 void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image, int64_t images,
-                  scalar_t* columns) {
+                  column_t* columns) {
   at::parallel_for(0, images * p.out_pixels(), kRowsPerTask, [&](int64_t begin, int64_t end) {
     fill_rows<scalar_t>(p, in, first_image, begin, end, columns + begin * p.taps() * p.in_channels);
   });
@@ -292,7 +292,7 @@ void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& 
 }
 
 #define DEFORM_CONV_INSTANTIATE(T)                                                                              \
-  template void fill_columns<T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t, T*);            \
+  template void fill_columns<T, T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t, T*);         \
   template void fill_column_rows<T, T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t, int64_t, T*); \
   template void coordinate_and_mask_grads<T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t,    \
                                              const T*, T*, T*);                                                \
@@ -301,6 +301,10 @@ void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& 
 DEFORM_CONV_INSTANTIATE(float)
 DEFORM_CONV_INSTANTIATE(double)
 #undef DEFORM_CONV_INSTANTIATE
+template void fill_columns<float, c10::BFloat16>(const ConvParams&, const SamplingInputs<float>&, int64_t, int64_t,
+                                                 c10::BFloat16*);
+template void fill_columns<float, c10::Half>(const ConvParams&, const SamplingInputs<float>&, int64_t, int64_t,
+                                             c10::Half*);
 template void fill_column_rows<float, c10::BFloat16>(const ConvParams&, const SamplingInputs<float>&, int64_t,
                                                      int64_t, int64_t, c10::BFloat16*);
 template void fill_column_rows<float, c10::Half>(const ConvParams&, const SamplingInputs<float>&, int64_t, int64_t,

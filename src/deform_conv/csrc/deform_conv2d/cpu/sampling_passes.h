@@ -22,15 +22,16 @@ struct SamplingInputs {
   const scalar_t* mask;    // [batch, offset_groups * taps, out_h, out_w], nullptr without a mask
 };
 
-// columns[n, pixel, g, tap, c] = mask * bilinear(input[n, :, :, channel]) at the tap's sampling point.
-template <typename scalar_t>
+// columns[n, pixel, g, tap, c] = mask * bilinear(input[n, :, :, channel]) at the tap's sampling point. column_t
+// is scalar_t, or for float a half type: each column sampled in float and rounded once to it (the half types'
+// GEMMs read them so).
+template <typename scalar_t, typename column_t>
 void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image, int64_t images,
-                  scalar_t* columns);
+                  column_t* columns);
 
 // The same for rows [row_begin, row_end) of the chunk only (a row is one (image, output pixel), numbered from
 // the chunk's first image), written from `columns` on: `columns` holds row row_begin's columns. Serial: for
-// callers that parallelise themselves. column_t is scalar_t, or for float a half type: each column sampled in
-// float and rounded once to it (the half types' GEMM reads them so).
+// callers that parallelise themselves. column_t as for fill_columns.
 template <typename scalar_t, typename column_t>
 void fill_column_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
                       int64_t row_begin, int64_t row_end, column_t* columns);
