@@ -12,37 +12,16 @@ import torch
 
 import deform_conv
 
-LANES = 16
+from helpers.lanes import lane_order_sum, sequential_sum, spread
+
 HEIGHT = WIDTH = 4
 PIXEL = (1, 2)  # (y, x): interior, so that the kernel takes its four-neighbour path
-
-
-def lane_order_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sum(a * b) as cpu_lanes.h adds it, each product and each addition rounded to `dtype`."""
-    products = a.to(dtype) * b.to(dtype)
-    lanes = [torch.zeros((), dtype=dtype) for _ in range(LANES)]
-    for d, p in enumerate(products):
-        lanes[d % LANES] = lanes[d % LANES] + p
-    width = LANES // 2
-    while width >= 1:
-        lanes = [lanes[j] + lanes[j + width] for j in range(width)]
-        width //= 2
-    return lanes[0]
-
-
-def sequential_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    total = torch.zeros((), dtype=dtype)
-    for p in a.to(dtype) * b.to(dtype):
-        total = total + p
-    return total
 
 
 def weight_gradient_of_one_point(value_dtype: torch.dtype, channels: int, seed: int):
     """ms_deform_attn with one query, one point at PIXEL exactly: (d loss / d weight, grad_output, the pixel)."""
     g = torch.Generator().manual_seed(seed)
-    # magnitudes spread over six decades, so that the order of the additions shows in the bits
-    value = (torch.randn(1, HEIGHT * WIDTH, 1, channels, generator=g, dtype=torch.float64)
-             * 10.0 ** torch.randint(-3, 3, (1, HEIGHT * WIDTH, 1, channels), generator=g)).to(value_dtype)
+    value = spread((1, HEIGHT * WIDTH, 1, channels), g).to(value_dtype)
     points_dtype = torch.float64 if value_dtype == torch.float64 else torch.float32
     y, x = PIXEL  # the point is at pixel (y, x): location * size - 0.5 = y, x exactly
     location = torch.tensor([(x + 0.5) / WIDTH, (y + 0.5) / HEIGHT], dtype=points_dtype).view(1, 1, 1, 1, 1, 2)

@@ -23,9 +23,9 @@
 //   is compiled once, for AVX-512, AVX2 or baseline x86-64: a third of the code to generate, so a shorter build.
 //   The loader loads such a library only on a CPU with that instruction set; begin_cpu_call() makes any other
 //   caller get an error, not an illegal instruction.
-// A vectorised sum (an omp simd reduction over channels) adds in as many lanes as a vector holds, so the copies
-// for different instruction sets may differ in the last bits of such a sum; a machine runs the same copy, and gets
-// the same bits, from either library (the loader builds for the instruction set that the ifunc would pick).
+// The copies for different instruction sets give the same bits: a sum over channels is taken in the 16 lanes
+// cpu_lanes.h fixes, not in as many as a vector holds (an omp simd reduction would), and no loop is contracted
+// (-ffp-contract=off).
 // (Clang compiles the library for one instruction set as GCC does, but no portable library: it makes no copies.)
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
 #if !defined(DC_CPU_VECTOR_BITS) && !defined(__clang__)

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace deform_conv {
 namespace cpu {
@@ -175,6 +176,37 @@ struct LaneSums<float> {
   }
 };
 #endif
+
+// dot[c] = sum over d < len of a[d] * b[c][d], for `count` vectors b[c], each summed in the lanes' order.
+template <int count, typename acc_t, typename A, typename B>
+inline void lane_dots(const A* a, const B* const* b, int64_t len, acc_t* dot) {
+  LaneSums<acc_t> part[count];
+  int64_t d0 = 0;
+#if defined(__GNUC__)
+  if constexpr (std::is_same_v<acc_t, float>) {  // a's lanes loaded once for all count vectors
+    for (; d0 + kSumLanes <= len; d0 += kSumLanes) {
+      FloatLanes lanes_a;
+      load_lanes(a + d0, lanes_a);
+#pragma GCC unroll 4
+      for (int c = 0; c < count; ++c) {
+        FloatLanes lanes_b;
+        load_lanes(b[c] + d0, lanes_b);
+        part[c].lanes += lanes_a * lanes_b;
+      }
+    }
+  }
+#endif
+  for (; d0 + kSumLanes <= len; d0 += kSumLanes) {
+#pragma GCC unroll 4
+    for (int c = 0; c < count; ++c) part[c].add_products(a + d0, b[c] + d0);
+  }
+  if (d0 < len) {
+#pragma GCC unroll 4
+    for (int c = 0; c < count; ++c) part[c].add_products(a + d0, b[c] + d0, static_cast<int>(len - d0));
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < count; ++c) dot[c] = part[c].total();
+}
 
 }  // namespace cpu
 }  // namespace deform_conv

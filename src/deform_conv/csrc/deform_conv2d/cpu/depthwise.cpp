@@ -75,13 +75,14 @@ void coordinate_and_weight_grads_body(const ConvParams& p, const SamplingInputs<
           scalar_t* __restrict__ partial_tap = partial + tap * channels + c0;
           scalar_t* __restrict__ gc = grad_column.data();
           const scalar_t* __restrict__ v = sampled.data();
-          scalar_t grad_value = 0;
-#pragma omp simd reduction(+ : grad_value)
+#pragma omp simd
           for (int64_t c = 0; c < per_group; ++c) {
             gc[c] = w[c] * g_out[c];
-            grad_value += gc[c] * v[c];
             partial_tap[c] += g_out[c] * (v[c] * m);
           }
+          const scalar_t* sampled_row = v;
+          scalar_t grad_value;
+          lane_dots<1>(static_cast<const scalar_t*>(gc), &sampled_row, per_group, &grad_value);
           scalar_t dot[4] = {0, 0, 0, 0}, grad_y = sum_start(s), grad_x = sum_start(s);
           if (s.count > 0) neighbour_dots(s, image + c0, channels, per_group, gc, dot);
           for (int q = 0; q < s.count; ++q) {

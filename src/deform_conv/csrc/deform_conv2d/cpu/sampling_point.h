@@ -123,21 +123,14 @@ inline void interpolate_corners_rounded(const Corners<float>& k, int64_t channel
   }
 }
 
-// dot[q] = sum over c < len of grad[c] * pixel_q[channel + c], for the four corners (neighbour_dots' sums).
+// dot[q] = sum over c < len of grad[c] * pixel_q[channel + c], for the four corners (neighbour_dots' sums), in
+// cpu_lanes.h's order: the same bits on every instruction set.
 template <typename scalar_t>
 inline void corner_dots(const Corners<scalar_t>& k, int64_t channel, int64_t len, const scalar_t* __restrict grad,
                         scalar_t dot[4]) {
-  const scalar_t *__restrict p0 = k.pixel[0] + channel, *__restrict p1 = k.pixel[1] + channel;
-  const scalar_t *__restrict p2 = k.pixel[2] + channel, *__restrict p3 = k.pixel[3] + channel;
-  scalar_t d0 = 0, d1 = 0, d2 = 0, d3 = 0;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-  for (int64_t c = 0; c < len; ++c) {
-    d0 += grad[c] * p0[c];
-    d1 += grad[c] * p1[c];
-    d2 += grad[c] * p2[c];
-    d3 += grad[c] * p3[c];
-  }
-  dot[0] = d0, dot[1] = d1, dot[2] = d2, dot[3] = d3;
+  const scalar_t* pixels[4] = {k.pixel[0] + channel, k.pixel[1] + channel, k.pixel[2] + channel,
+                               k.pixel[3] + channel};
+  lane_dots<4>(grad, pixels, len, dot);
 }
 
 // The four neighbours of a sample with all of them in the image, as corners.
@@ -250,9 +243,8 @@ struct PointBlock {
   }
 };
 
-// dot[q] = sum over c < len of grad[c] * image[pixel_q * stride + c], for each in-image neighbour q.
-// `omp simd reduction` lets the compiler reorder the sums into vector lanes: the order is fixed by the
-// code, so the result is still reproducible run to run.
+// dot[q] = sum over c < len of grad[c] * image[pixel_q * stride + c], for each in-image neighbour q, in
+// cpu_lanes.h's order.
 template <typename scalar_t>
 inline void neighbour_dots(const BilinearSample<scalar_t>& s, const scalar_t* image, int64_t stride, int64_t len,
                            const scalar_t* __restrict__ grad, scalar_t dot[4]) {
@@ -261,13 +253,11 @@ inline void neighbour_dots(const BilinearSample<scalar_t>& s, const scalar_t* im
     return;
   }
   for (int q = 0; q < 4; ++q) {
-    scalar_t d = 0;
+    dot[q] = 0;
     if (q < s.count) {
-      const scalar_t* __restrict__ src = image + s.pixel[q] * stride;
-#pragma omp simd reduction(+ : d)
-      for (int64_t c = 0; c < len; ++c) d += grad[c] * src[c];
+      const scalar_t* src = image + s.pixel[q] * stride;
+      lane_dots<1>(grad, &src, len, &dot[q]);
     }
-    dot[q] = d;
   }
 }
 
