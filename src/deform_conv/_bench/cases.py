@@ -73,6 +73,12 @@ SMALL_CASES = [
     Case("G1", 16, 32, 48, 80, offset_groups=2, stride=2),
     Case("G2", 3, 60, 60, 33, groups=3, offset_groups=5, width=31),
     Case("G3", 4, 96, 96, 40, kernel=5, padding=2),
+    # Beyond G1-G3: a strided layer with few channels and many images; weight groups and offset groups that do not
+    # divide each other (4 groups of 24 channels, 3 offset groups of 32), odd sides; a stem-like stride-2 layer
+    # of 16 channels on a large odd image.
+    Case("G4", 32, 16, 32, 64, stride=2),
+    Case("G5", 8, 96, 96, 29, groups=4, offset_groups=3, width=27),
+    Case("G6", 4, 16, 32, 113, offset_groups=2, stride=2, width=97),
 ]
 
 # Thread scaling runs on these: the shapes of S1-S3 differ in how much work each thread gets.

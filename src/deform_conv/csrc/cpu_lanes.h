@@ -156,12 +156,16 @@ struct LaneSums<float> {
     load_lanes(b, vb);
     lanes += va * vb;
   }
-  // The lanes from count on add 0 * 0 (+0, which leaves a sum that began at +0 as it was).
+  // The lanes from count on add +0 (which leaves a sum that began at +0 as it was). The products are set lane by
+  // lane in registers: copied through memory into a vector, they stalled every load on the stores just made.
   template <typename A, typename B>
   void add_products(const A* a, const B* b, int count) {
-    float wa[kSumLanes] = {}, wb[kSumLanes] = {};
-    for (int j = 0; j < count; ++j) wa[j] = static_cast<float>(a[j]), wb[j] = static_cast<float>(b[j]);
-    add_products(wa, wb);
+    FloatLanes products = {};
+#pragma GCC unroll 16
+    for (int j = 0; j < kSumLanes; ++j) {
+      if (j < count) products[j] = static_cast<float>(a[j]) * static_cast<float>(b[j]);
+    }
+    lanes += products;
   }
   float total() const {
     FloatHalfLanes low, high;
