@@ -181,6 +181,21 @@ struct LaneSums<float> {
 };
 #endif
 
+// An elementwise loop over n floats in vector registers, its remainder included: f(tag, i) for blocks starting at
+// i, tag a FloatLanes while 16 remain, then a FloatHalfLanes for 8, a FloatQuarterLanes for 4, then a float for
+// each of the last ones. f loads and stores as many floats as sizeof its tag (std::memcpy) and computes on them
+// as on scalars, so every element gets the same operations: the same bits as a plain loop. (The compiler's own
+// vectorisation leaves a loop's remainder scalar in this library -- sources.py's GCC flags --, and layers whose
+// channels come in pieces of 8, offset groups across few channels, ran wholly scalar.)
+template <typename F>
+inline void for_float_blocks(int64_t n, const F& f) {
+  int64_t i = 0;
+  for (; i + kSumLanes <= n; i += kSumLanes) f(FloatLanes{}, i);
+  if (i + kSumLanes / 2 <= n) f(FloatHalfLanes{}, i), i += kSumLanes / 2;
+  if (i + kSumLanes / 4 <= n) f(FloatQuarterLanes{}, i), i += kSumLanes / 4;
+  for (; i < n; ++i) f(float{}, i);
+}
+
 // dot[c] = sum over d < len of a[d] * b[c][d], for `count` vectors b[c], each summed in the lanes' order.
 template <int count, typename acc_t, typename A, typename B>
 inline void lane_dots(const A* a, const B* const* b, int64_t len, acc_t* dot) {

@@ -240,8 +240,7 @@ void input_grad_tasks_body(const ConvParams& p, const SamplingInputs<scalar_t>& 
                 const int64_t pixel =
                     (static_cast<int64_t>(points.y0[b]) + (q >> 1)) * p.width + points.x0[b] + (q & 1);
                 scalar_t* __restrict__ dst = image_grad + pixel * channels + c0;
-                const scalar_t w = m * points.weight[q][b];
-                for (int64_t c = 0; c < c1 - c0; ++c) dst[c] += w * grad[c];
+                add_scaled(m * points.weight[q][b], grad, c1 - c0, dst);
               }
             }
           }

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "../../cpu_kernels.h"
 #include "../../cpu_lanes.h"
@@ -95,6 +97,47 @@ inline void interpolate_corners(const Corners<scalar_t>& k, int64_t channel, int
     for (int64_t c = 0; c < len; ++c) dst[c] = w0 * p0[c] + w1 * p1[c] + w2 * p2[c] + w3 * p3[c];
   }
 }
+
+#if defined(__GNUC__)
+// The same in float, in vector registers to the last channel (for_float_blocks): the same bits.
+inline void interpolate_corners(const Corners<float>& k, int64_t channel, int64_t len, bool masked, float m,
+                                float* __restrict__ dst) {
+  const float *__restrict__ p0 = k.pixel[0] + channel, *__restrict__ p1 = k.pixel[1] + channel;
+  const float *__restrict__ p2 = k.pixel[2] + channel, *__restrict__ p3 = k.pixel[3] + channel;
+  const float w0 = k.weight[0], w1 = k.weight[1], w2 = k.weight[2], w3 = k.weight[3];
+  for_float_blocks(len, [&](const auto& tag, int64_t c) {
+    using V = std::decay_t<decltype(tag)>;
+    V v0, v1, v2, v3;
+    std::memcpy(&v0, p0 + c, sizeof(V));
+    std::memcpy(&v1, p1 + c, sizeof(V));
+    std::memcpy(&v2, p2 + c, sizeof(V));
+    std::memcpy(&v3, p3 + c, sizeof(V));
+    V v = w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3;
+    if (masked) v = v * m;
+    std::memcpy(dst + c, &v, sizeof(V));
+  });
+}
+#endif
+
+// dst[c] += w * src[c], c < len: one neighbour's share of a point's input gradient.
+template <typename scalar_t>
+inline void add_scaled(scalar_t w, const scalar_t* __restrict__ src, int64_t len, scalar_t* __restrict__ dst) {
+  for (int64_t c = 0; c < len; ++c) dst[c] += w * src[c];
+}
+
+#if defined(__GNUC__)
+// The same in float, in vector registers to the last channel (for_float_blocks): the same bits.
+inline void add_scaled(float w, const float* __restrict__ src, int64_t len, float* __restrict__ dst) {
+  for_float_blocks(len, [&](const auto& tag, int64_t c) {
+    using V = std::decay_t<decltype(tag)>;
+    V s, d;
+    std::memcpy(&s, src + c, sizeof(V));
+    std::memcpy(&d, dst + c, sizeof(V));
+    d = d + w * s;
+    std::memcpy(dst + c, &d, sizeof(V));
+  });
+}
+#endif
 
 // The same, each value rounded once to the half type column_t (the half types' columns, which the GEMM reads in
 // that type): 16 channels at a time in registers (cpu_lanes.h), rounded as torch's .to() rounds.
