@@ -325,25 +325,78 @@ def test_the_default_path_is_what_the_op_says(half):
             assert torch.equal(case.call(ours, tensors), float32_rounded(case, tensors, half))
 
 
-@HALF_TYPES
-def test_native_columns_are_rounded_as_torch_rounds(half):
-    """Each column value is sampled in float32 and rounded once to the half type as it is written (16 channels at
-    a time in registers, the rest one by one): exactly torch's rounding of the same float32 value. A 1x1 layer with
-    the identity as its weight outputs its columns unchanged; a shift of half a pixel to the right, and the mask,
-    make each column (0.5 a + 0.5 b + 0 c + 0 d) * m of two neighbours a, b (c, d the row below), a float32 value
-    that needs rounding: ties, float16's subnormals among them. 40 channels: two blocks of 16 and a rest of 8.
-    (No infinities: the GEMM would add 0 * inf of the other channels.)"""
-    g = torch.Generator().manual_seed(3)
-    channels, height, width = 40, 9, 33
+def rounding_case(half, channels: int, seed: int = 3):
+    """A 1x1 layer with the identity as its weight outputs its columns unchanged; a shift of half a pixel to the
+    right, and the mask, make each column (0.5 a + 0.5 b + 0 c + 0 d) * m of two neighbours a, b (c, d the row
+    below), a float32 value that needs rounding. (No infinities: the GEMM would add 0 * inf of the other
+    channels.) Returns the layer's inputs and the float32 values its columns must round."""
+    g = torch.Generator().manual_seed(seed)
+    height, width = 9, 33
     scale = 4.0 ** torch.randint(-9, 5, (1, channels, height, width), generator=g)
     x = (torch.randn(1, channels, height, width, generator=g) * scale).to(half)
     offset = torch.zeros(1, 2, height, width)
     offset[:, 1] = 0.5
     mask = (torch.rand(1, 1, height, width, generator=g) * 3).to(half)
     weight = torch.eye(channels).view(channels, channels, 1, 1).to(half)
-    with half_gemm_path("portable"):
-        got = ours(x, offset.to(half), weight, mask=mask)
     a, b = x[..., :-1].float(), x[..., 1:].float()
-    expected = ((0.5 * a + 0.5 * b) * mask[..., :-1].float()).to(half)
+    return (x, offset.to(half), weight, mask), (0.5 * a + 0.5 * b) * mask[..., :-1].float()
+
+
+def assert_rounded_as_torch(half, got, unrounded):
+    expected = unrounded.to(half)
     assert torch.equal(got[..., :-1], expected)  # the last column's right neighbour lies outside
-    assert (expected != (0.5 * a + 0.5 * b).to(half)).any() and (expected.float() != expected.float().round()).any()
+    bits = unrounded.view(torch.int32)
+    if half == torch.bfloat16:  # ties to even happened: the 16 bits dropped were exactly 0x8000
+        assert ((bits & 0xFFFF) == 0x8000).any()
+    else:  # float16's subnormals happened
+        assert ((expected != 0) & (expected.abs() < torch.finfo(torch.float16).tiny)).any()
+
+
+@HALF_TYPES
+def test_native_columns_are_rounded_as_torch_rounds(half):
+    """Each column value is sampled in float32 and rounded once to the half type as it is written (16 channels at
+    a time in registers, the rest one by one): exactly torch's rounding of the same float32 value (rounding_case).
+    40 channels: two blocks of 16 and a rest of 8. The tiled forward."""
+    (x, offset, weight, mask), unrounded = rounding_case(half, 40)
+    with half_gemm_path("portable"):
+        got = ours(x, offset, weight, mask=mask)
+    assert_rounded_as_torch(half, got, unrounded)
+
+
+@HALF_TYPES
+def test_native_columns_are_rounded_as_torch_rounds_on_the_driver(half):
+    """The same on the driver's path (its columns filled in the half type for oneDNN's half convolution): 2,048
+    channels, too many for the tiled forward's tiles. The convolution must run natively (it does not on a CPU
+    without half-precision oneDNN kernels: skipped there)."""
+    if not native_here(half):
+        pytest.skip(f"no native {half} path on this CPU")
+    (x, offset, weight, mask), unrounded = rounding_case(half, 2048)
+    x, mask, unrounded = x[..., :3, :5], mask[..., :3, :5], unrounded[..., :3, :4]
+    got = ours(x, offset[..., :3, :5], weight, mask=mask)
+    assert_rounded_as_torch(half, got, unrounded)
+
+
+@HALF_TYPES
+def test_native_backward_of_a_large_output(half):
+    """A backward with more output pixels (520 x 520) than one scratch buffer holds a packed panel of: the columns
+    are packed 512 pixels at a time."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 520, 520, generator=g).to(half).requires_grad_()
+    offset = torch.randn(1, 18, 520, 520, generator=g).to(half)
+    weight = torch.randn(3, 2, 3, 3, generator=g).to(half).requires_grad_()
+    with half_gemm_path("portable"):
+        out = ours(x, offset, weight, padding=1)
+        grad_x, grad_w = torch.autograd.grad(out, (x, weight), torch.ones_like(out))
+    with half_gemm_path("float32"):
+        w_f = weight.detach().requires_grad_()
+        out_f = ours(x.detach(), offset, w_f, padding=1)
+        (grad_w_f,) = torch.autograd.grad(out_f, w_f, torch.ones_like(out_f))
+        w_abs = weight.detach().requires_grad_()
+        out_abs = ours(x.detach().abs(), offset, w_abs, padding=1)
+        (sum_abs,) = torch.autograd.grad(out_abs, w_abs, torch.ones_like(out_abs))  # sum of |column| per weight
+    assert torch.isfinite(grad_w).all() and torch.isfinite(grad_x).all()
+    # The native GEMMs sum the columns rounded to the half type (u each) in float32 (n terms): off by at most
+    # (u + n 2**-24) of the sum of |column|, and both results are rounded once more to the half type.
+    u, n = torch.finfo(half).eps / 2, 520 * 520
+    bound = (u + n * 2**-24) * sum_abs.float() + u * (grad_w.float().abs() + grad_w_f.float().abs())
+    assert ((grad_w.float() - grad_w_f.float()).abs() <= bound).all()

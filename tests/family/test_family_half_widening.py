@@ -1,6 +1,6 @@
 """The family's CPU kernels widen float16 and bfloat16 values to float32 themselves, 16 lanes at a time
 (csrc/cpu_lanes.h): every one of the 65,536 bit patterns must come out as torch's own conversion gives it
-(subnormals, infinities and NaNs included), in the forward and in the backward.
+(subnormals and infinities included; a NaN must stay a NaN), in the forward and in the backward.
 
 One level of 2x2 pixels, one query, and a group per pattern (16 channels each: the pattern in channel 0, zeros
 elsewhere); one point per group exactly on pixel (0, 0), where the pattern sits, with weight 1. Its bilinear

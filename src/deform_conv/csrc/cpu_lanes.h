@@ -106,8 +106,8 @@ inline void load_lanes(const scalar_t* p, FloatLanes& lanes) {
 
 inline void store_lanes(const FloatLanes& lanes, float* p) { std::memcpy(p, &lanes, sizeof(lanes)); }
 
-// The lanes rounded to bfloat16 at p: to nearest, ties to even, a NaN to 0x7FC0 (c10::BFloat16's rule, torch's
-// .to()), on the bits.
+// The lanes rounded to bfloat16 at p: to nearest, ties to even, a NaN to 0x7FC0 (c10::BFloat16's rule; torch's
+// vectorised .to() gives the same values, a NaN as another NaN's bits), on the bits.
 inline void store_lanes(const FloatLanes& lanes, c10::BFloat16* p) {
   BitLanes bits;
   std::memcpy(&bits, &lanes, sizeof(bits));
@@ -118,7 +118,8 @@ inline void store_lanes(const FloatLanes& lanes, c10::BFloat16* p) {
 }
 
 // The lanes rounded to float16 at p: c10's portable conversion (fp16_ieee_from_fp32_value: to nearest, ties to
-// even, overflow to infinity, subnormals, NaN to 0x7E00 with the sign), on 16 lanes at once.
+// even, overflow to infinity, subnormals, NaN to 0x7E00 with the sign), on 16 lanes at once. The same values as
+// F16C's instruction, which keeps a NaN's payload instead.
 inline void store_lanes(const FloatLanes& lanes, c10::Half* p) {
   BitLanes w;
   std::memcpy(&w, &lanes, sizeof(w));

@@ -155,10 +155,27 @@ bool grad_output_tile_fits(const ConvParams& p) {
   return kPixelTile * p.out_channels * int64_t(sizeof(float)) <= kMaxKeptScratchBytes;
 }
 
-// The same GEMMs on half_t factors, each rounded once: grad_output, the columns and the weight before the GEMMs
-// (torch's rounding), the columns' panels packed per task as the GEMM reads them, the weight's once. The same
-// blocks, calls and sums as multiply_rounded would make from the float32 operands, so the same bits; but each
-// value is rounded once, not once per task that reads it.
+// The half types' tile holds each group's grad_output rounded too.
+bool half_grad_output_tile_fits(const ConvParams& p) {
+  const int64_t rounded = kPixelTile * even(p.out_channels_per_group()) * int64_t(sizeof(uint16_t));
+  return kPixelTile * p.out_channels * int64_t(sizeof(float)) + rounded <= kMaxKeptScratchBytes;
+}
+
+// dst = src rounded to half_t (half_conversion.h's rounding), rows of `length` floats `rows` apart in src and
+// `stride` apart in dst, split between threads.
+template <typename half_t>
+void narrow_rows(const float* src, int64_t rows, int64_t length, half_t* dst, int64_t stride) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(length, 1)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) narrow(src + r * length, length, dst + r * stride);
+  });
+}
+
+// The same GEMMs on half_t factors, each rounded once (half_conversion.h's rounding) before the GEMMs:
+// grad_output, the columns and the weight (packed once). Each task packs its panel of the columns 512 rows at a
+// time as it multiplies them, in blocks of kDepthBlock rows of depth, odd depths padded with a zero, the blocks'
+// sums added in order: the same blocks, calls and sums as rounding the float32 operands block by block gave,
+// so the same bits, but each value rounded once instead of once per task that reads it.
 template <typename half_t>
 void half_backward_gemms_in_tasks(const ConvParams& p, const HalfGemm& gemm, const at::Tensor& grad_output,
                                   int64_t first, int64_t images, const at::Tensor& weight_matrix,
@@ -167,9 +184,12 @@ void half_backward_gemms_in_tasks(const ConvParams& p, const HalfGemm& gemm, con
   const int64_t pixels = p.out_pixels(), row = p.taps() * p.in_channels, depth = even(pixels);
   const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
   // [images, C_out, pixels] rounded, a zero past an odd pixel count: the rows the grad_weights GEMM reads.
+  const at::Tensor grad_out_c = grad_output.narrow(0, first, images).contiguous();
   at::Tensor grad_out_h = grad_output.new_zeros({images, p.out_channels, depth}, grad_output.options().dtype(dtype));
-  grad_out_h.narrow(2, 0, pixels).copy_(grad_output.narrow(0, first, images).reshape({images, p.out_channels, pixels}));
-  const at::Tensor columns_h = columns.to(dtype);  // [images, pixels, groups, taps * C_in/G]
+  narrow_rows(grad_out_c.const_data_ptr<float>(), images * p.out_channels, pixels,
+              grad_out_h.mutable_data_ptr<half_t>(), depth);
+  at::Tensor columns_h = columns.new_empty(columns.sizes(), columns.options().dtype(dtype));  // as the columns
+  narrow_rows(columns.const_data_ptr<float>(), images * pixels, row, columns_h.mutable_data_ptr<half_t>(), row);
   // Each group's weight [C_out/G, taps * C_in/G] as panels of kPanelWidth columns, packed over all its rows.
   const at::Tensor weight_c = weight_matrix.contiguous();
   const int64_t panels = ceil_div(per_group, kPanelWidth), slot = even(out_per_group) * packed_width(kPanelWidth);
@@ -191,13 +211,16 @@ void half_backward_gemms_in_tasks(const ConvParams& p, const HalfGemm& gemm, con
   const WeightGradientTasks tasks(p);
   at::parallel_for(0, tasks.count, 1, [&](int64_t begin, int64_t end) {
     half_t* packed = static_cast<half_t*>(
-        scratch_bytes(ScratchSlot::half_factors, depth * packed_width(kWeightPanel) * int64_t(sizeof(half_t))));
+        scratch_bytes(ScratchSlot::half_factors, kDepthBlock * packed_width(kWeightPanel) * int64_t(sizeof(half_t))));
     for (int64_t task = begin; task < end; ++task) {
       const auto [g, c0, rows, k0, width] = tasks.task(task);
       for (int64_t n = 0; n < images; ++n) {
-        pack_weight_panel(gemm, pixels, width, cols_h + n * pixels * row + g * per_group + k0, row, packed);
-        half_gemm_on_this_thread(gemm, rows, width, depth, grad_out + (n * p.out_channels + c0) * depth, depth,
-                                 packed, grad_w + c0 * per_group + k0, per_group, /*accumulate=*/true);
+        for (int64_t p0 = 0; p0 < pixels; p0 += kDepthBlock) {
+          const int64_t block = std::min(kDepthBlock, pixels - p0);
+          pack_weight_panel(gemm, block, width, cols_h + (n * pixels + p0) * row + g * per_group + k0, row, packed);
+          half_gemm_on_this_thread(gemm, rows, width, even(block), grad_out + (n * p.out_channels + c0) * depth + p0,
+                                   depth, packed, grad_w + c0 * per_group + k0, per_group, /*accumulate=*/true);
+        }
       }
     }
     release_half_gemm_context(gemm);
@@ -207,7 +230,6 @@ void half_backward_gemms_in_tasks(const ConvParams& p, const HalfGemm& gemm, con
   // one image, its grad_output turned to [pixel, C_out] in float32, then each group's rounded to
   // [pixel, even(C_out/G)], a zero past an odd count.
   const int64_t tiles = ceil_div(pixels, kPixelTile), group_depth = even(out_per_group);
-  const at::Tensor grad_out_c = grad_output.narrow(0, first, images).contiguous();
   at::parallel_for(0, images * tiles, 1, [&](int64_t begin, int64_t end) {
     const int64_t turned_bytes = kPixelTile * p.out_channels * int64_t(sizeof(float));
     const int64_t rounded_bytes = kPixelTile * group_depth * int64_t(sizeof(half_t));
@@ -253,7 +275,7 @@ bool half_backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int
                          const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights) {
   const HalfGemm gemm = half_gemm_for(c10::CppTypeToScalarType<half_t>::value);
   if (grad_output.scalar_type() != at::kFloat || grad_weights.scalar_type() != at::kFloat ||
-      !grad_output_tile_fits(p) || !gemm.uses_native_path()) {
+      !half_grad_output_tile_fits(p) || !gemm.uses_native_path()) {
     return false;
   }
   half_backward_gemms_in_tasks<half_t>(p, gemm, grad_output, first, images, weight_matrix, columns, grad_weights);

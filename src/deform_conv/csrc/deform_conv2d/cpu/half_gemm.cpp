@@ -12,7 +12,6 @@
 
 #include "brgemm.h"
 #include "half_conversion.h"
-#include "scratch.h"
 
 namespace deform_conv {
 namespace cpu {
@@ -202,31 +201,6 @@ void half_gemm_on_this_thread(const HalfGemm& gemm, int64_t m, int64_t n, int64_
   }
 }
 
-template <typename half_t>
-void multiply_rounded(const HalfGemm& gemm, int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a,
-                      const float* b, int64_t ld_b, float* c, int64_t ld_c, bool accumulate) {
-  if (k == 0 && !accumulate) {
-    for (int64_t i = 0; i < m; ++i) std::fill(c + i * ld_c, c + i * ld_c + n, 0.f);
-    return;
-  }
-  for (int64_t k0 = 0; k0 < k; k0 += kDepthBlock) {
-    const int64_t depth = std::min(kDepthBlock, k - k0), padded = even(depth);
-    // This block of a [m, padded], the column past an odd depth zero, and one packed panel of b.
-    half_t* rounded = static_cast<half_t*>(scratch_bytes(
-        ScratchSlot::half_factors, (m * padded + padded * kPanelWidth) * int64_t(sizeof(half_t))));
-    half_t* packed = rounded + m * padded;
-    for (int64_t i = 0; i < m; ++i) {
-      narrow(a + i * ld_a + k0, depth, rounded + i * padded);
-      if (padded > depth) rounded[i * padded + depth] = half_t(0.f);
-    }
-    for (int64_t n0 = 0; n0 < n; n0 += kPanelWidth) {
-      const int64_t width = std::min(kPanelWidth, n - n0);
-      pack_weight_panel(gemm, depth, width, b + k0 * ld_b + n0, ld_b, packed);
-      half_gemm_on_this_thread(gemm, m, width, padded, rounded, padded, packed, c + n0, ld_c, accumulate || k0 > 0);
-    }
-  }
-}
-
 void release_half_gemm_context(const HalfGemm& gemm) {
 #ifdef DC_HALF_BRGEMM
   if (gemm.vnni) at::native::cpublas::brgemm_release(/*is_vnni=*/true);
@@ -237,9 +211,7 @@ void release_half_gemm_context(const HalfGemm& gemm) {
   template void pack_weight_panel<T, T>(const HalfGemm&, int64_t, int64_t, const T*, int64_t, T*);         \
   template void pack_weight_panel<T, float>(const HalfGemm&, int64_t, int64_t, const float*, int64_t, T*); \
   template void half_gemm_on_this_thread<T>(const HalfGemm&, int64_t, int64_t, int64_t, const T*, int64_t,  \
-                                            const T*, float*, int64_t, bool);                               \
-  template void multiply_rounded<T>(const HalfGemm&, int64_t, int64_t, int64_t, const float*, int64_t,      \
-                                    const float*, int64_t, float*, int64_t, bool);
+                                            const T*, float*, int64_t, bool);
 DEFORM_CONV_INSTANTIATE(c10::BFloat16)
 DEFORM_CONV_INSTANTIATE(c10::Half)
 #undef DEFORM_CONV_INSTANTIATE

@@ -55,13 +55,6 @@ template <typename half_t>
 void half_gemm_on_this_thread(const HalfGemm& gemm, int64_t m, int64_t n, int64_t k, const half_t* a, int64_t ld_a,
                               const half_t* packed, float* c, int64_t ld_c, bool accumulate);
 
-// c[m, n] = a[m, k] x b[k, n] (or c += with `accumulate`) for float32 a and b (row-major, leading dimensions ld_a
-// and ld_b) whose values are rounded once to half_t on the way, any k and n, c float32, on the calling thread:
-// blocks of a and b are rounded and packed in this thread's scratch memory. The backward's GEMMs (brgemm.h).
-template <typename half_t>
-void multiply_rounded(const HalfGemm& gemm, int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a,
-                      const float* b, int64_t ld_b, float* c, int64_t ld_c, bool accumulate);
-
 // Frees a thread's GEMM state (AMX's tile configuration) once its run of GEMMs ends, as ATen asks.
 void release_half_gemm_context(const HalfGemm& gemm);
 

@@ -140,7 +140,8 @@ inline void add_scaled(float w, const float* __restrict__ src, int64_t len, floa
 #endif
 
 // The same, each value rounded once to the half type column_t (the half types' columns, which the GEMM reads in
-// that type): 16 channels at a time in registers (cpu_lanes.h), rounded as torch's .to() rounds.
+// that type): 16 channels at a time in registers (cpu_lanes.h), to nearest even as torch rounds (a NaN stays a
+// NaN, its bits c10's).
 template <typename column_t>
 inline void interpolate_corners_rounded(const Corners<float>& k, int64_t channel, int64_t len, bool masked, float m,
                                 column_t* __restrict__ dst) {

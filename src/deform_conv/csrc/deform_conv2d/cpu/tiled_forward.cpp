@@ -234,10 +234,12 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
 
 bool tiled_forward_applies(const ConvParams& p, const at::Tensor& input) {
   const at::ScalarType dtype = input.scalar_type();
-  // Whether the layer's GEMMs get enough pixels per weight element streamed, judged on float32 tiles for every
-  // dtype: a half-type layer whose tiles fit only because its columns are half as large (512 channels at 3x3)
-  // still ran slower here than on the driver's path.
-  if (tile_bytes_per_pixel(p, at::kFloat) * kMinTilePixels > kTileBytes) return false;
+  // Whether the layer's GEMMs get enough pixels per weight element streamed: judged as when every tile held
+  // float32 columns and product, and for the half types their rounded columns as well. (A half-type layer whose
+  // tiles fit only since its columns take half the bytes, 512 channels at 3x3, ran slower tiled than on the
+  // driver's path.)
+  const int64_t rounded_columns = is_half_type(dtype) ? p.taps() * p.in_channels * 2 : 0;
+  if ((tile_bytes_per_pixel(p, at::kFloat) + rounded_columns) * kMinTilePixels > kTileBytes) return false;
   if (dtype == at::kFloat) return batch_reduce_gemm_works();
   return is_half_type(dtype) && p.taps() * p.in_channels_per_group() % 2 == 0 &&
          half_gemm_for(dtype).uses_native_path();
