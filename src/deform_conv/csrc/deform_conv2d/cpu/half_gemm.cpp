@@ -28,7 +28,6 @@ namespace {
 bool cpu_supports(const char* feature) {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
   if (std::strcmp(feature, "avx512bf16") == 0) return __builtin_cpu_supports("avx512bf16");
-  if (std::strcmp(feature, "avx512fp16") == 0) return __builtin_cpu_supports("avx512fp16");
 #endif
   (void)feature;
   return false;
@@ -75,10 +74,11 @@ bool computes_exactly(const HalfGemm& gemm) {
 template <typename half_t>
 HalfGemm probe(c10::ScalarType dtype) {
   using Layout = HalfGemm::Layout;
-  std::vector<HalfGemm> candidates{{Layout::aten_packed, true}};  // AMX: ATen packs for it
-  // Without AMX the microkernels of AVX512-BF16 / AVX512-FP16; not on plain AVX-512, where oneDNN would emulate
-  // the half types more slowly than float32 runs.
-  if (cpu_supports(dtype == c10::kBFloat16 ? "avx512bf16" : "avx512fp16")) {
+  std::vector<HalfGemm> candidates{{Layout::aten_packed, true}};  // AMX (AMX-FP16 for float16): ATen packs for it
+  // Without AMX, bfloat16 on AVX512-BF16's microkernels; not on plain AVX-512, where oneDNN would emulate the half
+  // types more slowly than float32 runs. Not float16 on AVX512-FP16's: on a Sapphire Rapids Xeon (AVX512-FP16, no
+  // AMX-FP16) its layers took 1.4-1.9 times as long as in float32, forward and backward.
+  if (dtype == c10::kBFloat16 && cpu_supports("avx512bf16")) {
     candidates.push_back({Layout::vnni_pairs, true});
     candidates.push_back({Layout::plain, true});
   }
@@ -142,8 +142,12 @@ std::string cpu_half_path(c10::ScalarType dtype) {
   if (half_gemm_choice() == HalfGemmChoice::float32) {
     return name + ": computed in float32 (DEFORM_CONV_CPU_HALF_GEMM=float32)";
   }
-  return name + ": computed in float32 (no native " + name +
-         " GEMM here: it needs AMX or " + isa + " and oneDNN on)";
+  if (dtype == c10::kHalf) {
+    return name + ": computed in float32 (no native float16 GEMM here: it needs AMX-FP16 and oneDNN on; "
+                  "AVX512-FP16's microkernels ran slower than float32)";
+  }
+  return name + ": computed in float32 (no native " + name + " GEMM here: it needs AMX or " + isa +
+         " and oneDNN on)";
 }
 
 int64_t packed_width(int64_t width) { return (width + 15) / 16 * 16; }

@@ -1,5 +1,6 @@
 // The half types' GEMMs (bfloat16 and float16 factors, float32 sums) on ATen's batch-reduce GEMM, where it runs
-// them on oneDNN's half-precision microkernels: AMX, AVX512-BF16, AVX512-FP16. Which of these the CPU has, and
+// them on oneDNN's half-precision microkernels: AMX (AMX-FP16 for float16), AVX512-BF16 for bfloat16 (not AVX512-FP16
+// for float16: slower than float32 on a Sapphire Rapids Xeon). Which of these the CPU has, and
 // the layout in which each wants the weight (packed by ATen for AMX, in pairs of rows -- VNNI -- or plain), is
 // decided once per process by running each candidate on a small product whose result is known exactly: a
 // candidate that oneDNN refuses (ATen raises) or that computes anything else is not used. Where none works, the
