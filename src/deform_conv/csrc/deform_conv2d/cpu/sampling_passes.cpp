@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <numeric>
-#include <type_traits>
 #include <vector>
 
 #include "sampling_point.h"
@@ -133,11 +132,7 @@ void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
           const scalar_t m = masked ? in.mask[p.mask_index(n, group, tap, first + b)] : scalar_t(1);
           column_t* dst = block_columns + b * row_size + tap * per_group;
           for (const ChannelPiece* piece = pieces_begin; piece != pieces_end; ++piece) {
-            if constexpr (std::is_same_v<column_t, scalar_t>) {
-              interpolate_corners(corners, piece->channel, piece->length, masked, m, dst + piece->column);
-            } else {
-              interpolate_corners_rounded(corners, piece->channel, piece->length, masked, m, dst + piece->column);
-            }
+            interpolate_corners(corners, piece->channel, piece->length, masked, m, dst + piece->column);
           }
         }
       }

@@ -84,40 +84,46 @@ struct Corners {
   scalar_t weight[4];
 };
 
-// dst[c] = (sum over the corners q of weight_q * pixel_q[channel + c]) (* m), c < len.
-template <typename scalar_t>
+// dst[c] = (sum over the corners q of weight_q * pixel_q[channel + c]) (* m), c < len, each value rounded once
+// to column_t: scalar_t, or for float a half type (the half types' columns, which their GEMM reads so; to nearest
+// even as torch rounds, a NaN staying a NaN). In float, in vector registers to the last channel
+// (for_float_blocks), 16 channels at a time rounded there too (cpu_lanes.h): the same operations for every
+// element, so the same bits as the plain loop.
+template <typename scalar_t, typename column_t>
 inline void interpolate_corners(const Corners<scalar_t>& k, int64_t channel, int64_t len, bool masked, scalar_t m,
-                                scalar_t* __restrict__ dst) {
+                                column_t* __restrict__ dst) {
   const scalar_t *__restrict__ p0 = k.pixel[0] + channel, *__restrict__ p1 = k.pixel[1] + channel;
   const scalar_t *__restrict__ p2 = k.pixel[2] + channel, *__restrict__ p3 = k.pixel[3] + channel;
   const scalar_t w0 = k.weight[0], w1 = k.weight[1], w2 = k.weight[2], w3 = k.weight[3];
-  if (masked) {
-    for (int64_t c = 0; c < len; ++c) dst[c] = (w0 * p0[c] + w1 * p1[c] + w2 * p2[c] + w3 * p3[c]) * m;
-  } else {
-    for (int64_t c = 0; c < len; ++c) dst[c] = w0 * p0[c] + w1 * p1[c] + w2 * p2[c] + w3 * p3[c];
+#if defined(__GNUC__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    for_float_blocks(len, [&](const auto& tag, int64_t c) {
+      using V = std::decay_t<decltype(tag)>;
+      V v0, v1, v2, v3;
+      std::memcpy(&v0, p0 + c, sizeof(V));
+      std::memcpy(&v1, p1 + c, sizeof(V));
+      std::memcpy(&v2, p2 + c, sizeof(V));
+      std::memcpy(&v3, p3 + c, sizeof(V));
+      V v = w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3;
+      if (masked) v = v * m;
+      if constexpr (std::is_same_v<column_t, float>) {
+        std::memcpy(dst + c, &v, sizeof(V));
+      } else if constexpr (std::is_same_v<V, FloatLanes>) {
+        store_lanes(v, dst + c);
+      } else if constexpr (std::is_same_v<V, float>) {
+        dst[c] = static_cast<column_t>(v);
+      } else {
+        for (int j = 0; j < static_cast<int>(sizeof(V) / sizeof(float)); ++j) dst[c + j] = static_cast<column_t>(v[j]);
+      }
+    });
+    return;
+  }
+#endif
+  for (int64_t c = 0; c < len; ++c) {
+    const scalar_t v = w0 * p0[c] + w1 * p1[c] + w2 * p2[c] + w3 * p3[c];
+    dst[c] = static_cast<column_t>(masked ? v * m : v);
   }
 }
-
-#if defined(__GNUC__)
-// The same in float, in vector registers to the last channel (for_float_blocks): the same bits.
-inline void interpolate_corners(const Corners<float>& k, int64_t channel, int64_t len, bool masked, float m,
-                                float* __restrict__ dst) {
-  const float *__restrict__ p0 = k.pixel[0] + channel, *__restrict__ p1 = k.pixel[1] + channel;
-  const float *__restrict__ p2 = k.pixel[2] + channel, *__restrict__ p3 = k.pixel[3] + channel;
-  const float w0 = k.weight[0], w1 = k.weight[1], w2 = k.weight[2], w3 = k.weight[3];
-  for_float_blocks(len, [&](const auto& tag, int64_t c) {
-    using V = std::decay_t<decltype(tag)>;
-    V v0, v1, v2, v3;
-    std::memcpy(&v0, p0 + c, sizeof(V));
-    std::memcpy(&v1, p1 + c, sizeof(V));
-    std::memcpy(&v2, p2 + c, sizeof(V));
-    std::memcpy(&v3, p3 + c, sizeof(V));
-    V v = w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3;
-    if (masked) v = v * m;
-    std::memcpy(dst + c, &v, sizeof(V));
-  });
-}
-#endif
 
 // dst[c] += w * src[c], c < len: one neighbour's share of a point's input gradient.
 template <typename scalar_t>
@@ -138,34 +144,6 @@ inline void add_scaled(float w, const float* __restrict__ src, int64_t len, floa
   });
 }
 #endif
-
-// The same, each value rounded once to the half type column_t (the half types' columns, which the GEMM reads in
-// that type): 16 channels at a time in registers (cpu_lanes.h), to nearest even as torch rounds (a NaN stays a
-// NaN, its bits c10's).
-template <typename column_t>
-inline void interpolate_corners_rounded(const Corners<float>& k, int64_t channel, int64_t len, bool masked, float m,
-                                column_t* __restrict__ dst) {
-  const float *__restrict__ p0 = k.pixel[0] + channel, *__restrict__ p1 = k.pixel[1] + channel;
-  const float *__restrict__ p2 = k.pixel[2] + channel, *__restrict__ p3 = k.pixel[3] + channel;
-  const float w0 = k.weight[0], w1 = k.weight[1], w2 = k.weight[2], w3 = k.weight[3];
-  int64_t c = 0;
-#if defined(__GNUC__)
-  for (; c + kSumLanes <= len; c += kSumLanes) {
-    FloatLanes v0, v1, v2, v3;
-    load_lanes(p0 + c, v0);
-    load_lanes(p1 + c, v1);
-    load_lanes(p2 + c, v2);
-    load_lanes(p3 + c, v3);
-    FloatLanes v = w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3;
-    if (masked) v *= m;
-    store_lanes(v, dst + c);
-  }
-#endif
-  for (; c < len; ++c) {
-    const float v = w0 * p0[c] + w1 * p1[c] + w2 * p2[c] + w3 * p3[c];
-    dst[c] = static_cast<column_t>(masked ? v * m : v);
-  }
-}
 
 // dot[q] = sum over c < len of grad[c] * pixel_q[channel + c], for the four corners (neighbour_dots' sums), in
 // cpu_lanes.h's order: the same bits on every instruction set.
