@@ -1,7 +1,10 @@
-// Sums over channels in 16 fixed lanes, for the CPU kernels' dot products: channel d goes to lane d % 16, and the
-// lanes are then added pairwise (lane j + lane j + 8, then j + j + 4, j + j + 2, 0 + 1). The order is fixed here,
-// not by the vector width the compiler picks: the same bits for any thread count and on any instruction set
-// (AVX-512, AVX2, baseline x86-64, or another architecture).
+// The CPU kernels' loops over channels in vector registers: sums in 16 fixed lanes (LaneSums, lane_dots), exact
+// widening of 16 float16/bfloat16 values and rounding of 16 floats to them (load_lanes, store_lanes), and
+// elementwise loops to the last channel (for_float_blocks).
+//
+// Sums: channel d goes to lane d % 16, and the lanes are then added pairwise (lane j + lane j + 8, then j + j + 4,
+// j + j + 2, 0 + 1). The order is fixed here, not by the vector width the compiler picks: the same bits for any
+// thread count and on any instruction set (AVX-512, AVX2, baseline x86-64, or another architecture).
 //
 // In float (the accumulation type of float, float16 and bfloat16) the lanes are one GCC/Clang vector, kept in
 // registers, and the pairwise sums add its halves. What this replaces, an omp simd reduction per dot product,
