@@ -183,7 +183,6 @@ struct LaneSums<float> {
     return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
   }
 };
-#endif
 
 // An elementwise loop over n floats in vector registers, its remainder included: f(tag, i) for blocks starting at
 // i, tag a FloatLanes while 16 remain, then a FloatHalfLanes for 8, a FloatQuarterLanes for 4, then a float for
@@ -198,6 +197,26 @@ inline void for_float_blocks(int64_t n, const F& f) {
   if (i + kSumLanes / 2 <= n) f(FloatHalfLanes{}, i), i += kSumLanes / 2;
   if (i + kSumLanes / 4 <= n) f(FloatQuarterLanes{}, i), i += kSumLanes / 4;
   for (; i < n; ++i) f(float{}, i);
+}
+#endif
+
+// dst[d] += w * src[d], d < len: a weighted row added into a gradient.
+template <typename acc_t>
+inline void add_scaled(acc_t w, const acc_t* __restrict__ src, int64_t len, acc_t* __restrict__ dst) {
+#if defined(__GNUC__)
+  if constexpr (std::is_same_v<acc_t, float>) {  // in vector registers to the last element: the same bits
+    for_float_blocks(len, [&](const auto& tag, int64_t d) {
+      using V = std::decay_t<decltype(tag)>;
+      V s, t;
+      std::memcpy(&s, src + d, sizeof(V));
+      std::memcpy(&t, dst + d, sizeof(V));
+      t = t + w * s;
+      std::memcpy(dst + d, &t, sizeof(V));
+    });
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < len; ++d) dst[d] += w * src[d];
 }
 
 // dot[c] = sum over d < len of a[d] * b[c][d], for `count` vectors b[c], each summed in the lanes' order.

@@ -125,26 +125,6 @@ inline void interpolate_corners(const Corners<scalar_t>& k, int64_t channel, int
   }
 }
 
-// dst[c] += w * src[c], c < len: one neighbour's share of a point's input gradient.
-template <typename scalar_t>
-inline void add_scaled(scalar_t w, const scalar_t* __restrict__ src, int64_t len, scalar_t* __restrict__ dst) {
-  for (int64_t c = 0; c < len; ++c) dst[c] += w * src[c];
-}
-
-#if defined(__GNUC__)
-// The same in float, in vector registers to the last channel (for_float_blocks): the same bits.
-inline void add_scaled(float w, const float* __restrict__ src, int64_t len, float* __restrict__ dst) {
-  for_float_blocks(len, [&](const auto& tag, int64_t c) {
-    using V = std::decay_t<decltype(tag)>;
-    V s, d;
-    std::memcpy(&s, src + c, sizeof(V));
-    std::memcpy(&d, dst + c, sizeof(V));
-    d = d + w * s;
-    std::memcpy(dst + c, &d, sizeof(V));
-  });
-}
-#endif
-
 // dot[q] = sum over c < len of grad[c] * pixel_q[channel + c], for the four corners (neighbour_dots' sums), in
 // cpu_lanes.h's order: the same bits on every instruction set.
 template <typename scalar_t>

@@ -18,32 +18,13 @@ namespace {
 
 // For each of `corners` neighbours c: dot[c] = grad . v[c] over D channels, summed in cpu_lanes.h's fixed lanes
 // (the same bits for any thread count and instruction set), and gv[c] += weight[c] * grad. The neighbours are
-// distinct pixels (their gv do not overlap). One pass over the channels serves them all.
+// distinct pixels (their gv do not overlap).
 template <int corners, typename scalar_t, typename acc_t>
 inline void dots_and_scatter(const acc_t* __restrict__ grad, const scalar_t* const* v, acc_t* const* gv,
                              const acc_t* weight, int64_t channels, acc_t* dot) {
-  LaneSums<acc_t> part[corners];
-  int64_t d0 = 0;
-  for (; d0 + kSumLanes <= channels; d0 += kSumLanes) {
+  lane_dots<corners>(grad, v, channels, dot);
 #pragma GCC unroll 4
-    for (int c = 0; c < corners; ++c) {
-      part[c].add_products(grad + d0, v[c] + d0);
-      acc_t* __restrict__ out = gv[c] + d0;
-      const acc_t wc = weight[c];
-#pragma omp simd
-      for (int j = 0; j < kSumLanes; ++j) out[j] += wc * grad[d0 + j];
-    }
-  }
-  if (d0 < channels) {
-    const int count = static_cast<int>(channels - d0);
-#pragma GCC unroll 4
-    for (int c = 0; c < corners; ++c) {
-      part[c].add_products(grad + d0, v[c] + d0, count);
-      for (int j = 0; j < count; ++j) gv[c][d0 + j] += weight[c] * grad[d0 + j];
-    }
-  }
-#pragma GCC unroll 4
-  for (int c = 0; c < corners; ++c) dot[c] = part[c].total();
+  for (int c = 0; c < corners; ++c) add_scaled(weight[c], grad, channels, gv[c]);
 }
 
 // The backward of a point whose four neighbours lie in its level (interior_limits), as the general path below

@@ -51,12 +51,32 @@ inline acc_t interior_sample(acc_t c0, acc_t c1, acc_t c2, acc_t c3, scalar_t v0
 constexpr int64_t kChannelBlock = 16;
 
 // kChannelBlock channels of sum_interior_group: for each, the K points' interior_sample added in order from 0, and
-// written once, rounded.
+// written once, rounded. In float (the accumulation type of float, float16 and bfloat16) the block is one vector
+// of cpu_lanes.h, the neighbours widened and the sums rounded there in registers (c10's float16 conversion, one
+// value at a time, kept the plain loop scalar): interior_sample's operations in its order, so the same bits.
 template <typename scalar_t, typename acc_t>
 inline void sum_interior_block(const acc_t* __restrict__ c0, const acc_t* __restrict__ c1, const acc_t* __restrict__ c2,
                                const acc_t* __restrict__ c3, const int64_t* __restrict__ top_left,
                                const int64_t* __restrict__ down, int64_t count, const scalar_t* image,
                                int64_t pixel_stride, scalar_t* out) {
+#if defined(__GNUC__)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    static_assert(kChannelBlock == kSumLanes, "a block is one vector of lanes");
+    FloatLanes block = {};
+    for (int64_t k = 0; k < count; ++k) {
+      const scalar_t* v0 = image + top_left[k];
+      const scalar_t* v2 = v0 + down[k];
+      FloatLanes n0, n1, n2, n3;
+      load_lanes(v0, n0);
+      load_lanes(v0 + pixel_stride, n1);
+      load_lanes(v2, n2);
+      load_lanes(v2 + pixel_stride, n3);
+      block += c0[k] * n0 + c1[k] * n1 + c2[k] * n2 + c3[k] * n3;
+    }
+    store_lanes(block, out);
+    return;
+  }
+#endif
   acc_t block[kChannelBlock] = {};
   for (int64_t k = 0; k < count; ++k) {
     const scalar_t* __restrict__ v0 = image + top_left[k];
@@ -70,37 +90,6 @@ inline void sum_interior_block(const acc_t* __restrict__ c0, const acc_t* __rest
   }
   for (int64_t j = 0; j < kChannelBlock; ++j) out[j] = static_cast<scalar_t>(block[j]);
 }
-
-#if defined(__GNUC__)
-// The same in float, the block one vector of cpu_lanes.h, the neighbours widened there in registers (c10's float16
-// conversion, one value at a time, kept the loop above scalar): interior_sample's operations in its order, so the
-// same bits.
-template <typename scalar_t>
-inline void sum_interior_block(const float* __restrict__ c0, const float* __restrict__ c1, const float* __restrict__ c2,
-                               const float* __restrict__ c3, const int64_t* __restrict__ top_left,
-                               const int64_t* __restrict__ down, int64_t count, const scalar_t* image,
-                               int64_t pixel_stride, scalar_t* out) {
-  static_assert(kChannelBlock == kSumLanes, "a block is one vector of lanes");
-  FloatLanes block = {};
-  for (int64_t k = 0; k < count; ++k) {
-    const scalar_t* v0 = image + top_left[k];
-    const scalar_t* v2 = v0 + down[k];
-    FloatLanes n0, n1, n2, n3;
-    load_lanes(v0, n0);
-    load_lanes(v0 + pixel_stride, n1);
-    load_lanes(v2, n2);
-    load_lanes(v2 + pixel_stride, n3);
-    block += c0[k] * n0 + c1[k] * n1 + c2[k] * n2 + c3[k] * n3;
-  }
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    store_lanes(block, out);
-  } else {
-    float sums[kSumLanes];
-    store_lanes(block, sums);
-    for (int j = 0; j < kSumLanes; ++j) out[j] = static_cast<scalar_t>(sums[j]);
-  }
-}
-#endif
 
 // The sums of a group whose K points are all interior: for each block of channels, the K points' contributions
 // added in registers, in the order of the points (the same additions, in the same order, as the point-by-point
