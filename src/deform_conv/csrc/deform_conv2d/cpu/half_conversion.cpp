@@ -14,10 +14,11 @@ namespace deform_conv {
 namespace cpu {
 namespace {
 
-// bfloat16 16 values at a time in vector registers (cpu_lanes.h: widening is a shift, rounding adds half a unit
-// of the dropped bits, ties to even, a NaN to 0x7FC0 -- c10::BFloat16's rule, on the bits), the rest one by one
-// as c10::BFloat16 converts them (the same rule).
-DC_CPU_DISPATCH void widen_bfloat16(const c10::BFloat16* src, int64_t n, float* dst) {
+// bfloat16 to and from float32 16 values at a time in vector registers (cpu_lanes.h: widening is a shift,
+// rounding adds half a unit of the dropped bits, ties to even, a NaN to 0x7FC0 -- c10::BFloat16's rule, on the
+// bits), the rest one by one as c10::BFloat16 converts them (the same rule).
+template <typename From, typename To>
+DC_CPU_DISPATCH void convert_bfloat16(const From* src, int64_t n, To* dst) {
   int64_t i = 0;
 #if defined(__GNUC__)
   for (; i + kSumLanes <= n; i += kSumLanes) {
@@ -26,19 +27,7 @@ DC_CPU_DISPATCH void widen_bfloat16(const c10::BFloat16* src, int64_t n, float* 
     store_lanes(lanes, dst + i);
   }
 #endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-DC_CPU_DISPATCH void narrow_bfloat16(const float* src, int64_t n, c10::BFloat16* dst) {
-  int64_t i = 0;
-#if defined(__GNUC__)
-  for (; i + kSumLanes <= n; i += kSumLanes) {
-    FloatLanes lanes;
-    load_lanes(src + i, lanes);
-    store_lanes(lanes, dst + i);
-  }
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);
+  for (; i < n; ++i) dst[i] = static_cast<To>(src[i]);
 }
 
 // float16 has a different exponent range: the conversion is F16C's instruction where the CPU has it (every x86
@@ -70,9 +59,9 @@ bool has_f16c() {
 
 }  // namespace
 
-void widen(const c10::BFloat16* src, int64_t n, float* dst) { widen_bfloat16(src, n, dst); }
+void widen(const c10::BFloat16* src, int64_t n, float* dst) { convert_bfloat16(src, n, dst); }
 
-void narrow(const float* src, int64_t n, c10::BFloat16* dst) { narrow_bfloat16(src, n, dst); }
+void narrow(const float* src, int64_t n, c10::BFloat16* dst) { convert_bfloat16(src, n, dst); }
 
 void widen(const c10::Half* src, int64_t n, float* dst) {
 #ifdef DC_HAVE_F16C_PATH
