@@ -328,15 +328,20 @@ def test_the_default_path_is_what_the_op_says(half):
 def rounding_case(half, channels: int, seed: int = 3):
     """A 1x1 layer with the identity as its weight outputs its columns unchanged; a shift of half a pixel to the
     right, and the mask, make each column (0.5 a + 0.5 b + 0 c + 0 d) * m of two neighbours a, b (c, d the row
-    below), a float32 value that needs rounding. (No infinities: the GEMM would add 0 * inf of the other
-    channels.) Returns the layer's inputs and the float32 values its columns must round."""
+    below), a float32 value that needs rounding. A mask of NaN and one of -NaN make NaN columns, which the output
+    must round to c10::BFloat16's NaN whatever their sign (the rounding instruction of AVX512-BF16, cpu_lanes.h,
+    keeps it). (No infinities: the GEMM would add 0 * inf of the other channels. No subnormals: oneDNN's
+    half-precision GEMMs read them as zero; test_family_half_widening.py checks their rounding.) Returns the layer's
+    inputs and the float32 values its columns must round."""
     g = torch.Generator().manual_seed(seed)
     height, width = 9, 33
     scale = 4.0 ** torch.randint(-9, 5, (1, channels, height, width), generator=g)
     x = (torch.randn(1, channels, height, width, generator=g) * scale).to(half)
     offset = torch.zeros(1, 2, height, width)
     offset[:, 1] = 0.5
-    mask = (torch.rand(1, 1, height, width, generator=g) * 3).to(half)
+    mask = torch.rand(1, 1, height, width, generator=g) * 3
+    mask[..., 1, 2], mask[..., 2, 1] = float("nan"), -float("nan")  # (inside the driver test's crop)
+    mask = mask.to(half)
     weight = torch.eye(channels).view(channels, channels, 1, 1).to(half)
     a, b = x[..., :-1].float(), x[..., 1:].float()
     return (x, offset.to(half), weight, mask), (0.5 * a + 0.5 * b) * mask[..., :-1].float()
@@ -344,10 +349,14 @@ def rounding_case(half, channels: int, seed: int = 3):
 
 def assert_rounded_as_torch(half, got, unrounded):
     expected = unrounded.to(half)
-    assert torch.equal(got[..., :-1], expected)  # the last column's right neighbour lies outside
+    got = got[..., :-1]  # the last column's right neighbour lies outside
+    nan = unrounded.isnan()
+    assert nan.any() and torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan], expected[~nan])
     bits = unrounded.view(torch.int32)
     if half == torch.bfloat16:  # ties to even happened: the 16 bits dropped were exactly 0x8000
         assert ((bits & 0xFFFF) == 0x8000).any()
+        assert (got[nan].view(torch.int16) == 0x7FC0).all()  # c10::BFloat16's NaN, whatever the sign
     else:  # float16's subnormals happened
         assert ((expected != 0) & (expected.abs() < torch.finfo(torch.float16).tiny)).any()
 

@@ -44,3 +44,28 @@ def test_every_half_value_is_widened_exactly(dtype):
     got = grad_weight.view(groups)
     assert torch.equal(got[~nan], widened[~nan])
     assert got[nan].isnan().all()
+
+
+def test_every_bfloat16_product_is_rounded_as_torch_rounds():
+    """The forward rounds its float32 sums to bfloat16 16 lanes at a time, on the bits or (a library built for
+    AVX512-BF16) with the CPU's instruction, which reads a subnormal as zero and keeps a NaN's sign and payload:
+    lanes holding either must come out as c10::BFloat16 rounds them all the same. Each pattern times a weight of
+    1.5 (a tie to even wherever the pattern's last bit is set), 2**-20 (subnormal products), 0.7 or 3: one float32
+    product, rounded once."""
+    patterns = all_patterns(torch.bfloat16)
+    groups = patterns.numel()
+    value = torch.zeros(1, 4, groups, CHANNELS, dtype=torch.bfloat16)
+    value[0, 0, :, 0] = patterns
+    location = torch.full((1, 1, groups, 1, 1, 2), 0.25)
+    factors = torch.tensor([1.5, 2.0**-20, 0.7, 3.0]).repeat(groups // 4)
+    out = deform_conv.ms_deform_attn(value, torch.tensor([[2, 2]]), torch.tensor([0]), location,
+                                     factors.view(1, 1, groups, 1, 1))
+    got = out.view(groups, CHANNELS)[:, 0]
+    products = patterns.float() * factors
+    nan = products.isnan()
+    expected = products.to(torch.bfloat16)
+    assert torch.equal(got[~nan], expected[~nan])
+    assert (got[nan].view(torch.int16) == 0x7FC0).all()  # c10::BFloat16's NaN, whatever the sign and payload
+    ties = (products.view(torch.int32) & 0xFFFF) == 0x8000
+    subnormal = (expected != 0) & (expected.abs() < torch.finfo(torch.bfloat16).tiny)
+    assert ties.any() and subnormal.any() and (patterns[nan].view(torch.int16) < 0).any()

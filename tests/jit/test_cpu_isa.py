@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import deform_conv
 from deform_conv._jit import variant as _variant
@@ -27,15 +28,35 @@ def test_stand_ins_are_the_portable_library_then_narrower_ones_where_nothing_can
     widest = _variant.Variant("cpu", sanitize=("address",), cpu_isa="avx512f")
     assert widest.stand_ins(buildable=False) == tuple(
         _variant.Variant("cpu", sanitize=("address",), cpu_isa=isa) for isa in ("portable", "avx2", "x86-64"))
+    bf16 = _variant.Variant("cpu", cpu_isa="avx512bf16")
+    assert [v.cpu_isa for v in bf16.stand_ins(buildable=False)] == ["portable", "avx512f", "avx2", "x86-64"]
     assert _variant.Variant("cpu").stand_ins(buildable=False) == ()
     assert _variant.Variant("cuda", ("9.0",)).stand_ins(buildable=False) == ()
 
 
+@pytest.mark.skipif(platform.machine() != "x86_64" or sys.platform != "linux",
+                    reason="CPU libraries per instruction set are built on x86-64 Linux only")
+def test_an_import_builds_for_the_widest_instruction_set_the_cpu_has(monkeypatch):
+    avx512 = {"avx2", "avx512_f", "avx512_bw", "avx512_dq", "avx512_vl"}
+    cpus = {"x86-64": set(), "avx2": {"avx2"}, "avx512f": avx512, "avx512bf16": avx512 | {"avx512_bf16"}}
+    for expected, features in cpus.items():
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda features=features: dict.fromkeys(features, True),
+                            raising=False)
+        assert _variant.host_cpu_isa() == expected
+        assert _variant.portable_copy(expected) == ("avx512f" if expected == "avx512bf16" else expected)
+    # AVX512-BF16 without the subsets the tier's code also uses: plain avx512f.
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: dict.fromkeys({"avx2", "avx512_f", "avx512_bf16"}, True),
+                        raising=False)
+    assert _variant.host_cpu_isa() == "avx512f"
+
+
 def test_each_instruction_set_is_an_entry_of_its_own_named_by_it():
-    flags = {isa: _variant.Variant("cpu", cpu_isa=isa).cxx_flags for isa in ("portable", "avx512f", "avx2", "x86-64")}
+    isas = ("portable", "avx512bf16", "avx512f", "avx2", "x86-64")
+    flags = {isa: _variant.Variant("cpu", cpu_isa=isa).cxx_flags for isa in isas}
     assert not any("DC_CPU_VECTOR_BITS" in flag for flag in flags["portable"])
     assert "-DDC_CPU_VECTOR_BITS=512" in flags["avx512f"] and "-DDC_CPU_VECTOR_BITS=128" in flags["x86-64"]
-    assert len(set(flags.values())) == 4  # the key records the flags: four keys
+    assert "-DDC_CPU_AVX512_BF16" in flags["avx512bf16"] and "-DDC_CPU_AVX512_BF16" not in flags["avx512f"]
+    assert len(set(flags.values())) == len(isas)  # the key records the flags: a key each
     assert _variant.Variant("cpu", cpu_isa="x86-64").tag == "cpu-x86_64"
     assert _variant.Variant("cpu", sanitize=("address",), cpu_isa="avx2").tag == "cpu-avx2-sanitize_address"
     assert _variant.ENTRY_NAME.match("cpu-x86_64-torch2.14.1_cu130-c2d32b4c387d-173d03c9")
@@ -82,7 +103,7 @@ def test_wide_copies_of_the_cpu_passes_hold_their_inner_loops():
     if cpu.variant.sanitize:
         pytest.skip("a sanitizer build")
     isa = cpu.variant.cpu_isa
-    register = {"avx512f": "zmm", "avx2": "ymm", _variant.PORTABLE: "zmm"}.get(isa)
+    register = {"avx512bf16": "zmm", "avx512f": "zmm", "avx2": "ymm", _variant.PORTABLE: "zmm"}.get(isa)
     if register is None:
         pytest.skip(f"built for {isa}: no wider registers than baseline x86-64's")
     suffix = "[clone .avx512f]" if isa == _variant.PORTABLE else ""

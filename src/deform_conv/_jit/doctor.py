@@ -46,7 +46,7 @@ def describe_cpu_isa(variant: _variant.Variant) -> str:
     if variant.cpu_isa == _variant.PORTABLE:
         if host == _variant.PORTABLE:
             return "one build for every CPU of this architecture"
-        return f"portable (copies for x86-64, avx2 and avx512f): this CPU runs the {host} copy"
+        return f"portable (copies for x86-64, avx2 and avx512f): this CPU runs the {_variant.portable_copy(host)} copy"
     if variant.cpu_isa == host:
         return f"{host}, this CPU's widest"
     return (f"{variant.cpu_isa}, narrower than this CPU's {host}: an entry built elsewhere, loaded because nothing "

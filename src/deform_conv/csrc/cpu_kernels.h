@@ -21,6 +21,7 @@
 //   on (an ifunc): an entry copied to any x86-64 machine runs there with its widest vectors.
 // - 512, 256 or 128: the library built for the machine it runs on (what `import deform_conv` builds). Each loop
 //   is compiled once, for AVX-512, AVX2 or baseline x86-64: a third of the code to generate, so a shorter build.
+//   512 with DC_CPU_AVX512_BF16: AVX-512 with AVX512-BF16, whose instruction rounds floats to bfloat16 (cpu_lanes.h).
 //   The loader loads such a library only on a CPU with that instruction set; begin_cpu_call() makes any other
 //   caller get an error, not an illegal instruction.
 // The copies for different instruction sets give the same bits: a sum over channels is taken in the 16 lanes
@@ -32,12 +33,20 @@
 #define DC_CPU_DISPATCH __attribute__((target_clones("default", "avx2", "avx512f"), flatten))
 #elif !defined(DC_CPU_VECTOR_BITS)
 #define DC_CPU_DISPATCH
+#elif DC_CPU_VECTOR_BITS == 512 && defined(DC_CPU_AVX512_BF16)
+#define DC_CPU_ISA "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"
+#define DC_CPU_HAS_ISA                                                                                     \
+  (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&                              \
+   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16"))
 #elif DC_CPU_VECTOR_BITS == 512
 #define DC_CPU_ISA "avx512f"
 #elif DC_CPU_VECTOR_BITS == 256
 #define DC_CPU_ISA "avx2"
 #elif DC_CPU_VECTOR_BITS != 128
 #error "DC_CPU_VECTOR_BITS must be 512, 256 or 128"
+#endif
+#if defined(DC_CPU_ISA) && !defined(DC_CPU_HAS_ISA)
+#define DC_CPU_HAS_ISA __builtin_cpu_supports(DC_CPU_ISA)
 #endif
 #if defined(DC_CPU_ISA)
 #define DC_CPU_DISPATCH __attribute__((target(DC_CPU_ISA), flatten))
@@ -90,7 +99,7 @@ namespace deform_conv {
 //   its own: it is given torch's thread count on every call, which is per calling thread and cheap to set.
 inline void begin_cpu_call() {
 #if defined(DC_CPU_ISA)
-  static const bool supported = __builtin_cpu_supports(DC_CPU_ISA);
+  static const bool supported = DC_CPU_HAS_ISA;
   TORCH_CHECK(supported, "deform_conv: this library's CPU kernels were compiled for " DC_CPU_ISA ", which this CPU "
               "does not have. Remedy: import deform_conv on this machine to build its own (or copy an entry built "
               "with `deform-conv build --portable`, which runs on any x86-64 CPU).");
