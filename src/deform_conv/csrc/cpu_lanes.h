@@ -1,6 +1,6 @@
 // The CPU kernels' loops over channels in vector registers: sums in 16 fixed lanes (LaneSums, lane_dots), exact
-// widening of 16 float16/bfloat16 values and rounding of 16 floats to them (load_lanes, store_lanes), and
-// elementwise loops to the last channel (for_float_blocks).
+// widening of 16 float16/bfloat16 values and rounding of 16 floats to them (load_lanes, store_lanes), elementwise
+// loops to the last channel (for_float_blocks) and 16x16 blocks turned over (transpose_lanes).
 //
 // Sums: channel d goes to lane d % 16, and the lanes are then added pairwise (lane j + lane j + 8, then j + j + 4,
 // j + j + 2, 0 + 1). The order is fixed here, not by the vector width the compiler picks: the same bits for any
@@ -217,6 +217,38 @@ inline void for_float_blocks(int64_t n, const F& f) {
   if (i + kSumLanes / 4 <= n) f(FloatQuarterLanes{}, i), i += kSumLanes / 4;
   for (; i < n; ++i) f(float{}, i);
 }
+#endif
+
+#if defined(__GNUC__)
+typedef int32_t IndexLanes __attribute__((vector_size(kSumLanes * sizeof(int32_t))));
+#if defined(__clang__)
+#define DC_SHUFFLE_LANES(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define DC_SHUFFLE_LANES(a, b, ...) __builtin_shuffle(a, b, IndexLanes{__VA_ARGS__})
+#endif
+
+// rows[0..15] (16 rows of 16 floats) turned over in registers: rows[k][i] becomes rows[i][k]. Four rounds, each
+// pairing rows h apart (h = 8, 4, 2, 1) and interleaving their runs of h lanes: 64 two-vector shuffles for 256
+// values, where moving them one by one took a load and a store each.
+inline void transpose_lanes(FloatLanes rows[kSumLanes]) {
+  const auto round = [&](int h, auto low, auto high) {
+    for (int r = 0; r < kSumLanes; ++r) {
+      if (r & h) continue;
+      const FloatLanes a = rows[r], b = rows[r + h];
+      rows[r] = low(a, b);
+      rows[r + h] = high(a, b);
+    }
+  };
+  round(8, [](FloatLanes a, FloatLanes b) { return DC_SHUFFLE_LANES(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23); },
+        [](FloatLanes a, FloatLanes b) { return DC_SHUFFLE_LANES(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31); });
+  round(4, [](FloatLanes a, FloatLanes b) { return DC_SHUFFLE_LANES(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27); },
+        [](FloatLanes a, FloatLanes b) { return DC_SHUFFLE_LANES(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31); });
+  round(2, [](FloatLanes a, FloatLanes b) { return DC_SHUFFLE_LANES(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29); },
+        [](FloatLanes a, FloatLanes b) { return DC_SHUFFLE_LANES(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); });
+  round(1, [](FloatLanes a, FloatLanes b) { return DC_SHUFFLE_LANES(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30); },
+        [](FloatLanes a, FloatLanes b) { return DC_SHUFFLE_LANES(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); });
+}
+#undef DC_SHUFFLE_LANES
 #endif
 
 // dst[d] += w * src[d], d < len: a weighted row added into a gradient.

@@ -80,14 +80,25 @@ void narrow(const float* src, int64_t n, c10::Half* dst) {
 namespace {
 
 #if defined(__GNUC__)
-// transpose_narrowing in blocks of 16 rows of src: the block turned over in float32 into `turned` [cols, 16],
-// then each row of 16 rounded in registers (cpu_lanes.h) and stored; a last block of fewer rows value by value.
+// transpose_narrowing in blocks of 16 rows of src: whole 16x16 blocks turned over in registers, each row of 16
+// rounded there (cpu_lanes.h) and stored; the block's other columns turned over in float32 into `turned`
+// [cols, 16] first; a last block of fewer rows value by value.
 template <typename half_t>
 DC_CPU_DISPATCH void transpose_narrowing_blocks(const float* src, int64_t rows, int64_t cols, int64_t ld_src,
                                                 half_t* dst, int64_t ld_dst, const float* add, float* turned) {
   for (int64_t i0 = 0; i0 < rows; i0 += kSumLanes) {
     const int64_t block = std::min<int64_t>(kSumLanes, rows - i0);
-    for (int64_t j = 0; j < cols; ++j) {
+    int64_t j0 = 0;
+    for (; block == kSumLanes && j0 + kSumLanes <= cols; j0 += kSumLanes) {
+      FloatLanes lanes[kSumLanes];
+      for (int i = 0; i < kSumLanes; ++i) load_lanes(src + (i0 + i) * ld_src + j0, lanes[i]);
+      transpose_lanes(lanes);
+      for (int j = 0; j < kSumLanes; ++j) {
+        if (add != nullptr) lanes[j] += add[j0 + j];
+        store_lanes(lanes[j], dst + (j0 + j) * ld_dst + i0);
+      }
+    }
+    for (int64_t j = j0; j < cols; ++j) {
       const float* from = src + i0 * ld_src + j;
       float* to = turned + j * kSumLanes;
       if (add != nullptr) {
@@ -96,7 +107,7 @@ DC_CPU_DISPATCH void transpose_narrowing_blocks(const float* src, int64_t rows, 
         for (int64_t i = 0; i < block; ++i) to[i] = from[i * ld_src];
       }
     }
-    for (int64_t j = 0; j < cols; ++j) {
+    for (int64_t j = j0; j < cols; ++j) {
       if (block == kSumLanes) {
         FloatLanes lanes;
         load_lanes(turned + j * kSumLanes, lanes);
