@@ -19,9 +19,6 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#if defined(DC_CPU_AVX512_BF16)
-#include <immintrin.h>  // _mm512_cvtneps_pbh (store_lanes)
-#endif
 
 namespace deform_conv {
 namespace cpu {
@@ -115,18 +112,17 @@ inline void store_lanes(const FloatLanes& lanes, float* p) { std::memcpy(p, &lan
 // The lanes rounded to bfloat16 at p: to nearest, ties to even, a NaN to 0x7FC0 (c10::BFloat16's rule; torch's
 // vectorised .to() gives the same values, a NaN as another NaN's bits), on the bits. A library compiled for
 // AVX512-BF16 (cpu_kernels.h) rounds with its instruction, one for 16 lanes where the bits take ten: the same
-// rounding, but it reads a subnormal as zero and keeps a NaN's sign and payload, so 16 lanes with either take the
-// bits' way.
-#if defined(DC_CPU_AVX512_BF16)
-__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
-#endif
+// rounding, but it reads a subnormal as zero and keeps a NaN's sign and payload, so 16 lanes with either (AVX512DQ's
+// vfpclassps finds them) take the bits' way. (Written as assembly: the compiler is not told of AVX512-BF16,
+// cpu_kernels.h says why.)
 inline void store_lanes(const FloatLanes& lanes, c10::BFloat16* p) {
 #if defined(DC_CPU_AVX512_BF16)
-  constexpr int kNaNOrSubnormal = 0x01 | 0x20 | 0x80;  // vfpclassps: quiet NaN, subnormal, signalling NaN
-  __m512 v;
-  std::memcpy(&v, &lanes, sizeof(v));
-  if (__builtin_expect(_mm512_fpclass_ps_mask(v, kNaNOrSubnormal) == 0, 1)) {
-    const __m256bh rounded = _mm512_cvtneps_pbh(v);
+  static_assert(sizeof(FloatLanes) == 64, "one zmm register");
+  uint32_t nan_or_subnormal;
+  asm("vfpclassps $0xa1, %1, %%k1\n\tkmovw %%k1, %0" : "=r"(nan_or_subnormal) : "v"(lanes) : "k1");
+  if (__builtin_expect(nan_or_subnormal == 0, 1)) {
+    HalfBitLanes rounded;
+    asm("vcvtneps2bf16 %1, %0" : "=v"(rounded) : "v"(lanes));
     std::memcpy(p, &rounded, sizeof(rounded));
     return;
   }
