@@ -1,6 +1,6 @@
 // The CPU kernels' loops over channels in vector registers: sums in 16 fixed lanes (LaneSums, lane_dots), exact
 // widening of 16 float16/bfloat16 values and rounding of 16 floats to them (load_lanes, store_lanes), elementwise
-// loops to the last channel (for_float_blocks) and 16x16 blocks turned over (transpose_lanes).
+// loops to the last channel (for_float_blocks) and 16x16 blocks turned over (transpose_lanes, transpose_block).
 //
 // Sums: channel d goes to lane d % 16, and the lanes are then added pairwise (lane j + lane j + 8, then j + j + 4,
 // j + j + 2, 0 + 1). The order is fixed here, not by the vector width the compiler picks: the same bits for any
@@ -245,6 +245,19 @@ inline void transpose_lanes(FloatLanes rows[kSumLanes]) {
         [](FloatLanes a, FloatLanes b) { return DC_SHUFFLE_LANES(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); });
 }
 #undef DC_SHUFFLE_LANES
+
+// The 16x16 block src[i * ld_src + j] (+ add[j]) into dst[j * ld_dst + i], i, j < 16: dst float, or a half type
+// each row rounded in registers (store_lanes). `add` nullptr adds nothing (adding 0 would turn -0 into +0).
+template <typename T>
+inline void transpose_block(const float* src, int64_t ld_src, const float* add, T* dst, int64_t ld_dst) {
+  FloatLanes lanes[kSumLanes];
+  for (int i = 0; i < kSumLanes; ++i) load_lanes(src + i * ld_src, lanes[i]);
+  transpose_lanes(lanes);
+  for (int j = 0; j < kSumLanes; ++j) {
+    if (add != nullptr) lanes[j] += add[j];
+    store_lanes(lanes[j], dst + j * ld_dst);
+  }
+}
 #endif
 
 // dst[d] += w * src[d], d < len: a weighted row added into a gradient.

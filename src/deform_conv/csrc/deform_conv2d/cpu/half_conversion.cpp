@@ -90,13 +90,8 @@ DC_CPU_DISPATCH void transpose_narrowing_blocks(const float* src, int64_t rows, 
     const int64_t block = std::min<int64_t>(kSumLanes, rows - i0);
     int64_t j0 = 0;
     for (; block == kSumLanes && j0 + kSumLanes <= cols; j0 += kSumLanes) {
-      FloatLanes lanes[kSumLanes];
-      for (int i = 0; i < kSumLanes; ++i) load_lanes(src + (i0 + i) * ld_src + j0, lanes[i]);
-      transpose_lanes(lanes);
-      for (int j = 0; j < kSumLanes; ++j) {
-        if (add != nullptr) lanes[j] += add[j0 + j];
-        store_lanes(lanes[j], dst + (j0 + j) * ld_dst + i0);
-      }
+      transpose_block(src + i0 * ld_src + j0, ld_src, add != nullptr ? add + j0 : nullptr, dst + j0 * ld_dst + i0,
+                      ld_dst);
     }
     for (int64_t j = j0; j < cols; ++j) {
       const float* from = src + i0 * ld_src + j;
