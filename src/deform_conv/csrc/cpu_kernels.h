@@ -38,6 +38,7 @@
 // (cpu_lanes.h): naming AVX512-BF16 in the target turns on AVX512BW too, with which GCC 12 left the family's
 // bfloat16 loops scalar (DCNv3's bfloat16 forward ran 1.8x slower).
 #define DC_CPU_ISA "avx512f"
+#define DC_CPU_ISA_NAME "avx512f, avx512dq and avx512bf16"
 #define DC_CPU_HAS_ISA                                                                                     \
   (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16"))
 #elif DC_CPU_VECTOR_BITS == 512
@@ -49,6 +50,7 @@
 #endif
 #if defined(DC_CPU_ISA) && !defined(DC_CPU_HAS_ISA)
 #define DC_CPU_HAS_ISA __builtin_cpu_supports(DC_CPU_ISA)
+#define DC_CPU_ISA_NAME DC_CPU_ISA
 #endif
 #if defined(DC_CPU_ISA)
 #define DC_CPU_DISPATCH __attribute__((target(DC_CPU_ISA), flatten))
@@ -102,7 +104,7 @@ namespace deform_conv {
 inline void begin_cpu_call() {
 #if defined(DC_CPU_ISA)
   static const bool supported = DC_CPU_HAS_ISA;
-  TORCH_CHECK(supported, "deform_conv: this library's CPU kernels were compiled for " DC_CPU_ISA ", which this CPU "
+  TORCH_CHECK(supported, "deform_conv: this library's CPU kernels were compiled for " DC_CPU_ISA_NAME ", which this CPU "
               "does not have. Remedy: import deform_conv on this machine to build its own (or copy an entry built "
               "with `deform-conv build --portable`, which runs on any x86-64 CPU).");
 #endif
