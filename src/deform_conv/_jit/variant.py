@@ -46,7 +46,7 @@ def portable_copy(isa: str) -> str:
 def host_cpu_isa() -> str:
     """The instruction set ``import deform_conv`` compiles the CPU kernels for: the widest of CPU_ISA_FLAGS this
     CPU has, by the tests the portable library's loader-time choice makes (GCC's resolver asks for avx512f, then
-    avx2; avx512bf16 adds AVX512-BF16 and the AVX-512 subsets every such CPU has), so that a machine gets the same
+    avx2; avx512bf16 asks for AVX512-BF16, and for BW, DQ and VL, which every such CPU has), so that a machine gets the same
     bits from either library. The kernels are compiled per instruction set on x86-64 Linux (csrc/cpu_kernels.h);
     elsewhere the one build is the portable one."""
     if sys.platform != "linux" or platform.machine() != "x86_64":

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 namespace deform_conv {
 namespace cpu {
@@ -217,34 +218,43 @@ inline void for_float_blocks(int64_t n, const F& f) {
 
 #if defined(__GNUC__)
 typedef int32_t IndexLanes __attribute__((vector_size(kSumLanes * sizeof(int32_t))));
+
+// Lane i of interleave_runs<h, part>: of each 2h lanes, the first h from a's and then h from b's run number `part`
+// (0 or 1) of h lanes; b's lanes are numbered from 16, as the shuffle builtins number them.
+constexpr int run_lane(int h, int part, int i) {
+  const int chunk = i / (2 * h) * (2 * h), offset = i % (2 * h);
+  return offset < h ? chunk + part * h + offset : kSumLanes + chunk + part * h + offset - h;
+}
+
+template <int h, int part, int... i>
+inline FloatLanes interleave_runs(const FloatLanes& a, const FloatLanes& b, std::integer_sequence<int, i...>) {
 #if defined(__clang__)
-#define DC_SHUFFLE_LANES(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+  return __builtin_shufflevector(a, b, run_lane(h, part, i)...);
 #else
-#define DC_SHUFFLE_LANES(a, b, ...) __builtin_shuffle(a, b, IndexLanes{__VA_ARGS__})
+  return __builtin_shuffle(a, b, IndexLanes{run_lane(h, part, i)...});
 #endif
+}
 
 // rows[0..15] (16 rows of 16 floats) turned over in registers: rows[k][i] becomes rows[i][k]. Four rounds, each
 // pairing rows h apart (h = 8, 4, 2, 1) and interleaving their runs of h lanes: 64 two-vector shuffles for 256
 // values, where moving them one by one took a load and a store each.
-inline void transpose_lanes(FloatLanes rows[kSumLanes]) {
-  const auto round = [&](int h, auto low, auto high) {
-    for (int r = 0; r < kSumLanes; ++r) {
-      if (r & h) continue;
-      const FloatLanes a = rows[r], b = rows[r + h];
-      rows[r] = low(a, b);
-      rows[r + h] = high(a, b);
-    }
-  };
-  round(8, [](FloatLanes a, FloatLanes b) { return DC_SHUFFLE_LANES(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23); },
-        [](FloatLanes a, FloatLanes b) { return DC_SHUFFLE_LANES(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31); });
-  round(4, [](FloatLanes a, FloatLanes b) { return DC_SHUFFLE_LANES(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27); },
-        [](FloatLanes a, FloatLanes b) { return DC_SHUFFLE_LANES(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31); });
-  round(2, [](FloatLanes a, FloatLanes b) { return DC_SHUFFLE_LANES(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29); },
-        [](FloatLanes a, FloatLanes b) { return DC_SHUFFLE_LANES(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); });
-  round(1, [](FloatLanes a, FloatLanes b) { return DC_SHUFFLE_LANES(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30); },
-        [](FloatLanes a, FloatLanes b) { return DC_SHUFFLE_LANES(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); });
+template <int h>
+inline void transpose_round(FloatLanes rows[kSumLanes]) {
+  constexpr auto lanes = std::make_integer_sequence<int, kSumLanes>{};
+  for (int r = 0; r < kSumLanes; ++r) {
+    if (r & h) continue;
+    const FloatLanes a = rows[r], b = rows[r + h];
+    rows[r] = interleave_runs<h, 0>(a, b, lanes);
+    rows[r + h] = interleave_runs<h, 1>(a, b, lanes);
+  }
 }
-#undef DC_SHUFFLE_LANES
+
+inline void transpose_lanes(FloatLanes rows[kSumLanes]) {
+  transpose_round<8>(rows);
+  transpose_round<4>(rows);
+  transpose_round<2>(rows);
+  transpose_round<1>(rows);
+}
 
 // The 16x16 block src[i * ld_src + j] (+ add[j]) into dst[j * ld_dst + i], i, j < 16: dst float, or a half type
 // each row rounded in registers (store_lanes). `add` nullptr adds nothing (adding 0 would turn -0 into +0).
