@@ -73,7 +73,14 @@ inline void upper_halves(const void* p, BitLanes& bits) {
 // bfloat16 is the upper half of a float32.
 inline void load_lanes(const c10::BFloat16* p, FloatLanes& lanes) {
   BitLanes bits;
+#if defined(DC_CPU_AVX512_BF16)
+  HalfBitLanes half;
+  std::memcpy(&half, p, sizeof(half));
+  asm("vpmovzxwd %1, %0" : "=v"(bits) : "v"(half));
+  bits <<= 16;
+#else
   upper_halves(p, bits);
+#endif
   std::memcpy(&lanes, &bits, sizeof(lanes));
 }
 
@@ -119,9 +126,9 @@ inline void store_lanes(const FloatLanes& lanes, float* p) { std::memcpy(p, &lan
 inline void store_lanes(const FloatLanes& lanes, c10::BFloat16* p) {
 #if defined(DC_CPU_AVX512_BF16)
   static_assert(sizeof(FloatLanes) == 64, "one zmm register");
-  uint32_t nan_or_subnormal;
-  asm("vfpclassps $0xa1, %1, %%k1\n\tkmovw %%k1, %0" : "=r"(nan_or_subnormal) : "v"(lanes) : "k1");
-  if (__builtin_expect(nan_or_subnormal == 0, 1)) {
+  bool plain;  // no lane is a NaN or subnormal (the zero flag kortestw sets)
+  asm("vfpclassps $0xa1, %1, %%k1\n\tkortestw %%k1, %%k1" : "=@ccz"(plain) : "v"(lanes) : "k1");
+  if (__builtin_expect(plain, 1)) {
     HalfBitLanes rounded;
     asm("vcvtneps2bf16 %1, %0" : "=v"(rounded) : "v"(lanes));
     std::memcpy(p, &rounded, sizeof(rounded));

@@ -86,7 +86,7 @@ inline void tap_points_of_group(const ConvParams& p, const SamplingInputs<scalar
 template <typename scalar_t>
 struct BlockWalk {
   const ConvParams& p;
-  const SamplingInputs<scalar_t>& in;
+  const SamplingInputs<scalar_t> in;  // its offsets and mask (a copy: three pointers)
   const OffsetGroupPieces groups;
   PointBlock<scalar_t>* taps;
   int32_t y_origin[kPointBlock], x_origin[kPointBlock];
@@ -108,19 +108,19 @@ struct BlockWalk {
   const ChannelPiece* pieces_end(int64_t group) const { return groups.pieces.data() + groups.starts[group + 1]; }
 };
 
-template <typename scalar_t, typename column_t>
-void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
+template <typename scalar_t, typename image_t, typename column_t>
+void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, image_t>& in,
                     int64_t first_image, int64_t row_begin, int64_t row_end,
                     column_t* columns) {
   const int64_t channels = p.in_channels, pixels = p.out_pixels(), per_group = p.in_channels_per_group();
   const int64_t row_size = p.taps() * channels;
   const bool masked = in.mask != nullptr;
-  const scalar_t* zeros = zero_row<scalar_t>(channels);
-  BlockWalk<scalar_t> walk(p, in);
+  const image_t* zeros = zero_row<image_t>(channels);
+  BlockWalk<scalar_t> walk(p, SamplingInputs<scalar_t>{nullptr, in.offset, in.mask});
   for (int64_t row = row_begin; row < row_end;) {
     const int64_t n_local = row / pixels, first = row % pixels, n = first_image + n_local;
     const int64_t len = std::min({kPointBlock, row_end - row, pixels - first});
-    const scalar_t* image = in.input + n * p.height * p.width * channels;
+    const image_t* image = in.input + n * p.height * p.width * channels;
     walk.start_block(first, len);
     column_t* block_columns = columns + (row - row_begin) * row_size;
     for (int64_t group = 0; group < p.offset_groups; ++group) {
@@ -128,7 +128,7 @@ void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
       const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
       for (int64_t b = 0; b < len; ++b) {
         for (int64_t tap = 0; tap < p.taps(); ++tap) {
-          const Corners<scalar_t> corners = walk.taps[tap].corners(b, image, p.width, channels, zeros);
+          const Corners<scalar_t, image_t> corners = walk.taps[tap].corners(b, image, p.width, channels, zeros);
           const scalar_t m = masked ? in.mask[p.mask_index(n, group, tap, first + b)] : scalar_t(1);
           column_t* dst = block_columns + b * row_size + tap * per_group;
           for (const ChannelPiece* piece = pieces_begin; piece != pieces_end; ++piece) {
@@ -256,8 +256,8 @@ void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64
   });
 }
 
-template <typename scalar_t, typename column_t>
-void fill_column_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
+template <typename scalar_t, typename column_t, typename image_t>
+void fill_column_rows(const ConvParams& p, const SamplingInputs<scalar_t, image_t>& in, int64_t first_image,
                       int64_t row_begin, int64_t row_end, column_t* columns) {
   fill_rows<scalar_t>(p, in, first_image, row_begin, row_end, columns);
 }
@@ -299,10 +299,10 @@ template void fill_columns<float, c10::BFloat16>(const ConvParams&, const Sampli
                                                  c10::BFloat16*);
 template void fill_columns<float, c10::Half>(const ConvParams&, const SamplingInputs<float>&, int64_t, int64_t,
                                              c10::Half*);
-template void fill_column_rows<float, c10::BFloat16>(const ConvParams&, const SamplingInputs<float>&, int64_t,
-                                                     int64_t, int64_t, c10::BFloat16*);
-template void fill_column_rows<float, c10::Half>(const ConvParams&, const SamplingInputs<float>&, int64_t, int64_t,
-                                                 int64_t, c10::Half*);
+template void fill_column_rows<float, c10::BFloat16, c10::BFloat16>(
+    const ConvParams&, const SamplingInputs<float, c10::BFloat16>&, int64_t, int64_t, int64_t, c10::BFloat16*);
+template void fill_column_rows<float, c10::Half, c10::Half>(const ConvParams&, const SamplingInputs<float, c10::Half>&,
+                                                           int64_t, int64_t, int64_t, c10::Half*);
 
 }  // namespace cpu
 }  // namespace deform_conv

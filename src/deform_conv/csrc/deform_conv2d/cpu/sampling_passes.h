@@ -15,9 +15,11 @@
 namespace deform_conv {
 namespace cpu {
 
-template <typename scalar_t>
+// image_t: the input's type, scalar_t's or, for float, a half type whose values the passes widen as they load them
+// (the tiled forward of the half types: half the bytes of a float32 image to read).
+template <typename scalar_t, typename image_t = scalar_t>
 struct SamplingInputs {
-  const scalar_t* input;   // channels-last [batch, height, width, in_channels]
+  const image_t* input;    // channels-last [batch, height, width, in_channels]
   const scalar_t* offset;  // [batch, 2 * offset_groups * taps, out_h, out_w]
   const scalar_t* mask;    // [batch, offset_groups * taps, out_h, out_w], nullptr without a mask
 };
@@ -31,9 +33,9 @@ void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64
 
 // The same for rows [row_begin, row_end) of the chunk only (a row is one (image, output pixel), numbered from
 // the chunk's first image), written from `columns` on: `columns` holds row row_begin's columns. Serial: for
-// callers that parallelise themselves. column_t as for fill_columns.
-template <typename scalar_t, typename column_t>
-void fill_column_rows(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
+// callers that parallelise themselves. column_t as for fill_columns; image_t as SamplingInputs says.
+template <typename scalar_t, typename column_t, typename image_t = scalar_t>
+void fill_column_rows(const ConvParams& p, const SamplingInputs<scalar_t, image_t>& in, int64_t first_image,
                       int64_t row_begin, int64_t row_end, column_t* columns);
 
 // From the columns' gradient: d loss / d offset and d loss / d mask of the chunk's images

@@ -78,9 +78,9 @@ inline void for_each_weight_group_piece(const ConvParams& p, int64_t c_begin, in
 // outside the image reads `zeros` with weight 0, and a point with a NaN coordinate has NaN weights (on zeros):
 // interpolate_corners then sums the same terms in the same order as interpolate, whose sum leaves such corners
 // out, and a non-finite pixel outside the image still adds nothing.
-template <typename scalar_t>
+template <typename scalar_t, typename image_t = scalar_t>
 struct Corners {
-  const scalar_t* pixel[4];
+  const image_t* pixel[4];
   scalar_t weight[4];
 };
 
@@ -89,14 +89,35 @@ struct Corners {
 // even as torch rounds, a NaN staying a NaN). In float, in vector registers to the last channel
 // (for_float_blocks), 16 channels at a time rounded there too (cpu_lanes.h): the same operations for every
 // element, so the same bits as the plain loop.
-template <typename scalar_t, typename column_t>
-inline void interpolate_corners(const Corners<scalar_t>& k, int64_t channel, int64_t len, bool masked, scalar_t m,
-                                column_t* __restrict__ dst) {
-  const scalar_t *__restrict__ p0 = k.pixel[0] + channel, *__restrict__ p1 = k.pixel[1] + channel;
-  const scalar_t *__restrict__ p2 = k.pixel[2] + channel, *__restrict__ p3 = k.pixel[3] + channel;
+// A half-type image (image_t) is widened in registers as its corners are loaded (exactly): the same values, so the
+// same bits as on its float32 copy.
+template <typename scalar_t, typename column_t, typename image_t>
+inline void interpolate_corners(const Corners<scalar_t, image_t>& k, int64_t channel, int64_t len, bool masked,
+                                scalar_t m, column_t* __restrict__ dst) {
+  const image_t *__restrict__ p0 = k.pixel[0] + channel, *__restrict__ p1 = k.pixel[1] + channel;
+  const image_t *__restrict__ p2 = k.pixel[2] + channel, *__restrict__ p3 = k.pixel[3] + channel;
   const scalar_t w0 = k.weight[0], w1 = k.weight[1], w2 = k.weight[2], w3 = k.weight[3];
 #if defined(__GNUC__)
-  if constexpr (std::is_same_v<scalar_t, float>) {
+  if constexpr (std::is_same_v<scalar_t, float> && !std::is_same_v<image_t, float>) {
+    int64_t c = 0;
+    for (; c + kSumLanes <= len; c += kSumLanes) {
+      FloatLanes v0, v1, v2, v3;
+      load_lanes(p0 + c, v0);
+      load_lanes(p1 + c, v1);
+      load_lanes(p2 + c, v2);
+      load_lanes(p3 + c, v3);
+      FloatLanes v = w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3;
+      if (masked) v = v * m;
+      store_lanes(v, dst + c);
+    }
+    for (; c < len; ++c) {
+      const float v = w0 * static_cast<float>(p0[c]) + w1 * static_cast<float>(p1[c]) +
+                      w2 * static_cast<float>(p2[c]) + w3 * static_cast<float>(p3[c]);
+      dst[c] = static_cast<column_t>(masked ? v * m : v);
+    }
+    return;
+  }
+  if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<image_t, float>) {
     for_float_blocks(len, [&](const auto& tag, int64_t c) {
       using V = std::decay_t<decltype(tag)>;
       V v0, v1, v2, v3;
@@ -120,7 +141,8 @@ inline void interpolate_corners(const Corners<scalar_t>& k, int64_t channel, int
   }
 #endif
   for (int64_t c = 0; c < len; ++c) {
-    const scalar_t v = w0 * p0[c] + w1 * p1[c] + w2 * p2[c] + w3 * p3[c];
+    const scalar_t v = w0 * static_cast<scalar_t>(p0[c]) + w1 * static_cast<scalar_t>(p1[c]) +
+                       w2 * static_cast<scalar_t>(p2[c]) + w3 * static_cast<scalar_t>(p3[c]);
     dst[c] = static_cast<column_t>(masked ? v * m : v);
   }
 }
@@ -225,9 +247,10 @@ struct PointBlock {
   }
 
   // Point b's corners in `image` (channels-last, `stride` apart per pixel).
-  Corners<scalar_t> corners(int64_t b, const scalar_t* image, int64_t width, int64_t stride,
-                            const scalar_t* zeros) const {
-    Corners<scalar_t> k;
+  template <typename image_t>
+  Corners<scalar_t, image_t> corners(int64_t b, const image_t* image, int64_t width, int64_t stride,
+                                     const image_t* zeros) const {
+    Corners<scalar_t, image_t> k;
     for (int q = 0; q < 4; ++q) {
       const int64_t pixel = (static_cast<int64_t>(y0[b]) + (q >> 1)) * width + x0[b] + (q & 1);
       k.pixel[q] = valid[q][b] ? image + pixel * stride : zeros;

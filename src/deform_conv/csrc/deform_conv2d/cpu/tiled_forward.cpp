@@ -29,8 +29,6 @@ constexpr int64_t kMinTilePixels = 32;
 // A thread turns the images it works on to channels-last itself when they are at most this large; it keeps the
 // buffer (scratch.h), so the bound is per worker thread.
 constexpr int64_t kMaxTurnedImageBytes = int64_t(4) << 20;
-// The half types' images are widened this many channels at a time on their way to channels-last.
-constexpr int64_t kTurnedChannels = 16;
 
 bool is_half_type(at::ScalarType dtype) { return dtype == at::kBFloat16 || dtype == at::kHalf; }
 
@@ -63,28 +61,18 @@ Tiling tiling(const ConvParams& p, at::ScalarType dtype, int64_t threads) {
   return {ceil_div(p.out_pixels(), tiles), tiles};
 }
 
-// The input in float32 channels-last memory: itself if it is already, else a copy (widened for the half types)
-// in this thread's scratch memory.
-at::Tensor float_channels_last(const at::Tensor& input) {
-  if (input.scalar_type() == at::kFloat && input.is_contiguous(at::MemoryFormat::ChannelsLast)) return input;
-  return scratch(ScratchSlot::channels_last_input, input.sizes(), input.options().dtype(at::kFloat)).copy_(input);
+// The input in channels-last memory, in its own type (the half types' corners are widened as the sampling loads
+// them): itself if it is already, else a copy in this thread's scratch memory.
+at::Tensor channels_last(const at::Tensor& input) {
+  if (input.is_contiguous(at::MemoryFormat::ChannelsLast)) return input;
+  return scratch(ScratchSlot::channels_last_input, input.sizes(), input.options()).copy_(input);
 }
 
-// Image n, channels-first [C_in, H*W] in `scalar_t`, into `turned`, channels-last float32 [H*W, C_in]. The half
-// types are widened 16 channels at a time into `staging` [16, H*W] first.
+// Image n, channels-first [C_in, H*W], into `turned`, channels-last [H*W, C_in], in its own type.
 template <typename scalar_t>
-void turn_image(const ConvParams& p, const scalar_t* image, float* staging, float* turned) {
+void turn_image(const ConvParams& p, const scalar_t* image, scalar_t* turned) {
   const int64_t plane = p.height * p.width;
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    (void)staging;
-    transpose(image, p.in_channels, plane, plane, turned, p.in_channels);
-  } else {
-    for (int64_t c0 = 0; c0 < p.in_channels; c0 += kTurnedChannels) {
-      const int64_t channels = std::min(kTurnedChannels, p.in_channels - c0);
-      widen(image + c0 * plane, channels * plane, staging);
-      transpose(staging, channels, plane, plane, turned + c0, p.in_channels);
-    }
-  }
+  transpose(image, p.in_channels, plane, plane, turned, p.in_channels);
 }
 
 // The weight [C_out, C_in/G, kh, kw] as the GEMMs read it: for each group, its output channels in panels of
@@ -153,19 +141,17 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
   const int64_t plane = p.height * p.width, image_size = plane * p.in_channels;
   const Tiling tiles = tiling(p, input.scalar_type(), at::get_num_threads());
   // Per thread: the tile's float32 product, then its columns (the half types': sampled in float32 and rounded once
-  // as they are written), then the thread's turned image and (the half types) the staging rows it is widened
-  // through.
+  // as they are written), then the thread's turned image (in the input's type).
   const int64_t column_floats = column_floats_per_pixel(p, input.scalar_type()) * tiles.pixels;
   const int64_t tile_floats = p.out_channels * tiles.pixels + column_floats;
 
   // Each thread turns the images it works on to channels-last itself, into a buffer that stays in its cache
   // (an image whose tiles two threads share is turned by both). That pays where most images are one thread's
-  // alone; otherwise the input is turned (and widened) once, up front, by all threads.
+  // alone; otherwise the input is turned once, up front, by all threads.
   const bool turn_per_thread = input.is_contiguous() && p.batch >= at::get_num_threads() &&
-                               image_size * int64_t(sizeof(float)) <= kMaxTurnedImageBytes;
-  const int64_t turn_floats =
-      turn_per_thread ? image_size + (kHalf ? std::min(kTurnedChannels, p.in_channels) * plane : 0) : 0;
-  const at::Tensor input_c = turn_per_thread ? input : float_channels_last(input);
+                               image_size * int64_t(sizeof(scalar_t)) <= kMaxTurnedImageBytes;
+  const int64_t turn_floats = turn_per_thread ? ceil_div(image_size * int64_t(sizeof(scalar_t)), sizeof(float)) : 0;
+  const at::Tensor input_c = turn_per_thread ? input : channels_last(input);
   // The sampling reads float32 offsets and masks (a few values per pixel, widened up front for the half types).
   const at::Tensor offset_c = offset.to(at::kFloat).contiguous();
   const at::Tensor mask_c = mask.has_value() ? mask->to(at::kFloat).contiguous() : at::Tensor();
@@ -182,20 +168,19 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
         scratch_bytes(ScratchSlot::tile, (tile_floats + turn_floats) * int64_t(sizeof(float))));
     float* after_product = product + p.out_channels * tiles.pixels;
     scalar_t* columns = reinterpret_cast<scalar_t*>(after_product);  // [tile pixels, row_size]
-    float* turned = after_product + column_floats;  // channels-last image
-    float* staging = turned + image_size;
+    scalar_t* turned = reinterpret_cast<scalar_t*>(after_product + column_floats);  // channels-last image
     int64_t turned_image = -1;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / tiles.tiles, first = task % tiles.tiles * tiles.pixels;
       const int64_t len = std::min(tiles.pixels, pixels - first);
       if (turn_per_thread && n != turned_image) {
-        turn_image(p, input_c.const_data_ptr<scalar_t>() + n * image_size, staging, turned);
+        turn_image(p, input_c.const_data_ptr<scalar_t>() + n * image_size, turned);
         turned_image = n;
       }
       // Image n alone, as image 0.
-      const SamplingInputs<float> in{turn_per_thread ? turned : input_c.const_data_ptr<float>() + n * image_size,
-                                     offsets + p.offset_index(n, 0, 0, 0),
-                                     masks != nullptr ? masks + p.mask_index(n, 0, 0, 0) : nullptr};
+      const SamplingInputs<float, scalar_t> in{
+          turn_per_thread ? turned : input_c.const_data_ptr<scalar_t>() + n * image_size,
+          offsets + p.offset_index(n, 0, 0, 0), masks != nullptr ? masks + p.mask_index(n, 0, 0, 0) : nullptr};
       fill_column_rows(p, in, /*first_image=*/0, first, first + len, columns);
       // product[:, group g's panel] = columns[:, group g] x panel
       for (int64_t g = 0; g < p.groups; ++g) {

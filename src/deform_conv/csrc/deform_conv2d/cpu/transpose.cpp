@@ -1,6 +1,7 @@
 #include "transpose.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "sampling_point.h"
 
@@ -35,7 +36,49 @@ DC_CPU_DISPATCH void transpose_in_blocks(const float* src, int64_t rows, int64_t
   }
 }
 
+// 16-bit values as transpose_in_blocks turns floats over: whole 16x16 blocks in registers, each value in a 32-bit
+// lane of its own (zero-extended: the shuffles move bits, they compute nothing), the rest one by one.
+DC_CPU_DISPATCH void transpose_bits_in_blocks(const uint16_t* src, int64_t rows, int64_t cols, int64_t ld_src,
+                                              uint16_t* dst, int64_t ld_dst) {
+  constexpr int64_t kBlock = 16;
+  for (int64_t i0 = 0; i0 < rows; i0 += kBlock) {
+    const int64_t block = std::min(kBlock, rows - i0);
+    int64_t j0 = 0;
+#if defined(__GNUC__)
+    for (; block == kBlock && j0 + kBlock <= cols; j0 += kBlock) {
+      FloatLanes lanes[kSumLanes];
+      for (int i = 0; i < kSumLanes; ++i) {
+        HalfBitLanes half;
+        std::memcpy(&half, src + (i0 + i) * ld_src + j0, sizeof(half));
+        const BitLanes bits = __builtin_convertvector(half, BitLanes);
+        std::memcpy(&lanes[i], &bits, sizeof(bits));
+      }
+      transpose_lanes(lanes);
+      for (int j = 0; j < kSumLanes; ++j) {
+        BitLanes bits;
+        std::memcpy(&bits, &lanes[j], sizeof(bits));
+        const HalfBitLanes half = __builtin_convertvector(bits, HalfBitLanes);
+        std::memcpy(dst + (j0 + j) * ld_dst + i0, &half, sizeof(half));
+      }
+    }
+#endif
+    for (int64_t j = j0; j < cols; ++j) {
+      for (int64_t i = 0; i < block; ++i) dst[j * ld_dst + i0 + i] = src[(i0 + i) * ld_src + j];
+    }
+  }
+}
+
 }  // namespace
+
+template <typename half_t>
+void transpose(const half_t* src, int64_t rows, int64_t cols, int64_t ld_src, half_t* dst, int64_t ld_dst) {
+  static_assert(sizeof(half_t) == sizeof(uint16_t), "a 16-bit type");
+  transpose_bits_in_blocks(reinterpret_cast<const uint16_t*>(src), rows, cols, ld_src,
+                           reinterpret_cast<uint16_t*>(dst), ld_dst);
+}
+
+template void transpose<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, int64_t, c10::BFloat16*, int64_t);
+template void transpose<c10::Half>(const c10::Half*, int64_t, int64_t, int64_t, c10::Half*, int64_t);
 
 void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst, int64_t ld_dst,
                const float* add) {

@@ -11,5 +11,9 @@ namespace cpu {
 void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst, int64_t ld_dst,
                const float* add = nullptr);
 
+// The same for a half type (c10::BFloat16, c10::Half), its values moved as they are, bit for bit.
+template <typename half_t>
+void transpose(const half_t* src, int64_t rows, int64_t cols, int64_t ld_src, half_t* dst, int64_t ld_dst);
+
 }  // namespace cpu
 }  // namespace deform_conv
