@@ -118,10 +118,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"Load average (1 min): {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores.", "",
     ]
     print("\n".join(lines))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines))
-        print(f"wrote {args.out}")
+    speed.write_table(args.out, lines)
     return 0
 
 

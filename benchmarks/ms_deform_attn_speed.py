@@ -354,11 +354,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "shared the cores: the times are then noisy, the ratios less so (the implementations take turns).")
     print(note)
     lines += [format_row(r) for r in rows] + ["", note, ""]
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines))
-        print(f"wrote {args.out}")
+    write_table(args.out, lines)
     return 0
+
+
+def write_table(path: Optional[Path], lines: Sequence[str]) -> None:
+    """The table with its header into the markdown file `path` (--out), if one was given."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines))
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -14,11 +14,10 @@ namespace deform_conv {
 namespace cpu {
 namespace {
 
-// bfloat16 to and from float32 16 values at a time in vector registers (cpu_lanes.h: widening is a shift,
-// rounding adds half a unit of the dropped bits, ties to even, a NaN to 0x7FC0 -- c10::BFloat16's rule, on the
-// bits), the rest one by one as c10::BFloat16 converts them (the same rule).
-template <typename From, typename To>
-DC_CPU_DISPATCH void convert_bfloat16(const From* src, int64_t n, To* dst) {
+// float32 to bfloat16 16 values at a time in vector registers (cpu_lanes.h: rounding adds half a unit of the
+// dropped bits, ties to even, a NaN to 0x7FC0 -- c10::BFloat16's rule, on the bits), the rest one by one as
+// c10::BFloat16 converts them (the same rule).
+DC_CPU_DISPATCH void round_to_bfloat16(const float* src, int64_t n, c10::BFloat16* dst) {
   int64_t i = 0;
 #if defined(__GNUC__)
   for (; i + kSumLanes <= n; i += kSumLanes) {
@@ -27,21 +26,13 @@ DC_CPU_DISPATCH void convert_bfloat16(const From* src, int64_t n, To* dst) {
     store_lanes(lanes, dst + i);
   }
 #endif
-  for (; i < n; ++i) dst[i] = static_cast<To>(src[i]);
+  for (; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);
 }
 
-// float16 has a different exponent range: the conversion is F16C's instruction where the CPU has it (every x86
+// float16 has a different exponent range: the rounding is F16C's instruction where the CPU has it (every x86
 // CPU with AVX2), c10::Half's software rounding elsewhere -- ten times slower, and the same values.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define DC_HAVE_F16C_PATH 1
-__attribute__((target("avx,f16c"))) void widen_half_f16c(const c10::Half* src, int64_t n, float* dst) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  }
-  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i].x);
-}
-
 __attribute__((target("avx,f16c"))) void narrow_half_f16c(const float* src, int64_t n, c10::Half* dst) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -59,16 +50,7 @@ bool has_f16c() {
 
 }  // namespace
 
-void widen(const c10::BFloat16* src, int64_t n, float* dst) { convert_bfloat16(src, n, dst); }
-
-void narrow(const float* src, int64_t n, c10::BFloat16* dst) { convert_bfloat16(src, n, dst); }
-
-void widen(const c10::Half* src, int64_t n, float* dst) {
-#ifdef DC_HAVE_F16C_PATH
-  if (has_f16c()) return widen_half_f16c(src, n, dst);
-#endif
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
+void narrow(const float* src, int64_t n, c10::BFloat16* dst) { round_to_bfloat16(src, n, dst); }
 
 void narrow(const float* src, int64_t n, c10::Half* dst) {
 #ifdef DC_HAVE_F16C_PATH

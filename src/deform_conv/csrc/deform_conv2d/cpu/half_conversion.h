@@ -1,4 +1,4 @@
-// Between float32 and the half types (bfloat16, float16) for arrays, rounding to nearest even as torch's .to()
+// From float32 to the half types (bfloat16, float16) for arrays, rounding to nearest even as torch's .to()
 // does, so a value rounded here is the one torch would give. The CPU's half path samples and sums in float32 and
 // rounds each stored value once: the columns the GEMM reads, and the output.
 #pragma once
@@ -10,10 +10,6 @@
 
 namespace deform_conv {
 namespace cpu {
-
-// dst[i] = float(src[i]), i < n.
-void widen(const c10::BFloat16* src, int64_t n, float* dst);
-void widen(const c10::Half* src, int64_t n, float* dst);
 
 // dst[i] = src[i] rounded to the half type, i < n.
 void narrow(const float* src, int64_t n, c10::BFloat16* dst);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "sampling_point.h"
 
@@ -9,9 +10,32 @@ namespace deform_conv {
 namespace cpu {
 namespace {
 
+#if defined(__GNUC__)
+// One 16x16 block of 16-bit values turned over in registers, bit for bit: each value in a 32-bit lane of its own
+// (zero-extended: the shuffles move bits, they compute nothing).
+inline void transpose_bits_block(const uint16_t* src, int64_t ld_src, uint16_t* dst, int64_t ld_dst) {
+  FloatLanes lanes[kSumLanes];
+  for (int i = 0; i < kSumLanes; ++i) {
+    HalfBitLanes half;
+    std::memcpy(&half, src + i * ld_src, sizeof(half));
+    const BitLanes bits = __builtin_convertvector(half, BitLanes);
+    std::memcpy(&lanes[i], &bits, sizeof(bits));
+  }
+  transpose_lanes(lanes);
+  for (int j = 0; j < kSumLanes; ++j) {
+    BitLanes bits;
+    std::memcpy(&bits, &lanes[j], sizeof(bits));
+    const HalfBitLanes half = __builtin_convertvector(bits, HalfBitLanes);
+    std::memcpy(dst + j * ld_dst, &half, sizeof(half));
+  }
+}
+#endif
+
 // In blocks of 16 rows of src: the lines they span stay in the L1 cache while every column reads them, and each
-// row of dst is written 16 contiguous values at a time; whole 16x16 blocks turned over in registers.
-DC_CPU_DISPATCH void transpose_in_blocks(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst,
+// row of dst is written 16 contiguous values at a time; whole 16x16 blocks turned over in registers. T: float
+// (with `add`), or uint16_t, the bits of a half type (`add` nullptr).
+template <typename T>
+DC_CPU_DISPATCH void transpose_in_blocks(const T* src, int64_t rows, int64_t cols, int64_t ld_src, T* dst,
                                          int64_t ld_dst, const float* add) {
   constexpr int64_t kBlock = 16;
   for (int64_t i0 = 0; i0 < rows; i0 += kBlock) {
@@ -19,51 +43,25 @@ DC_CPU_DISPATCH void transpose_in_blocks(const float* src, int64_t rows, int64_t
     int64_t j0 = 0;
 #if defined(__GNUC__)
     for (; block == kBlock && j0 + kBlock <= cols; j0 += kBlock) {
-      transpose_block(src + i0 * ld_src + j0, ld_src, add != nullptr ? add + j0 : nullptr, dst + j0 * ld_dst + i0,
-                      ld_dst);
-    }
-#endif
-    for (int64_t j = j0; j < cols; ++j) {
-      const float* __restrict__ from = src + i0 * ld_src + j;
-      float* __restrict__ to = dst + j * ld_dst + i0;
-      if (add != nullptr) {
-        const float a = add[j];
-        for (int64_t i = 0; i < block; ++i) to[i] = from[i * ld_src] + a;
+      if constexpr (std::is_same_v<T, float>) {
+        transpose_block(src + i0 * ld_src + j0, ld_src, add != nullptr ? add + j0 : nullptr,
+                        dst + j0 * ld_dst + i0, ld_dst);
       } else {
-        for (int64_t i = 0; i < block; ++i) to[i] = from[i * ld_src];
-      }
-    }
-  }
-}
-
-// 16-bit values as transpose_in_blocks turns floats over: whole 16x16 blocks in registers, each value in a 32-bit
-// lane of its own (zero-extended: the shuffles move bits, they compute nothing), the rest one by one.
-DC_CPU_DISPATCH void transpose_bits_in_blocks(const uint16_t* src, int64_t rows, int64_t cols, int64_t ld_src,
-                                              uint16_t* dst, int64_t ld_dst) {
-  constexpr int64_t kBlock = 16;
-  for (int64_t i0 = 0; i0 < rows; i0 += kBlock) {
-    const int64_t block = std::min(kBlock, rows - i0);
-    int64_t j0 = 0;
-#if defined(__GNUC__)
-    for (; block == kBlock && j0 + kBlock <= cols; j0 += kBlock) {
-      FloatLanes lanes[kSumLanes];
-      for (int i = 0; i < kSumLanes; ++i) {
-        HalfBitLanes half;
-        std::memcpy(&half, src + (i0 + i) * ld_src + j0, sizeof(half));
-        const BitLanes bits = __builtin_convertvector(half, BitLanes);
-        std::memcpy(&lanes[i], &bits, sizeof(bits));
-      }
-      transpose_lanes(lanes);
-      for (int j = 0; j < kSumLanes; ++j) {
-        BitLanes bits;
-        std::memcpy(&bits, &lanes[j], sizeof(bits));
-        const HalfBitLanes half = __builtin_convertvector(bits, HalfBitLanes);
-        std::memcpy(dst + (j0 + j) * ld_dst + i0, &half, sizeof(half));
+        transpose_bits_block(src + i0 * ld_src + j0, ld_src, dst + j0 * ld_dst + i0, ld_dst);
       }
     }
 #endif
     for (int64_t j = j0; j < cols; ++j) {
-      for (int64_t i = 0; i < block; ++i) dst[j * ld_dst + i0 + i] = src[(i0 + i) * ld_src + j];
+      const T* __restrict__ from = src + i0 * ld_src + j;
+      T* __restrict__ to = dst + j * ld_dst + i0;
+      if constexpr (std::is_same_v<T, float>) {
+        if (add != nullptr) {
+          const float a = add[j];
+          for (int64_t i = 0; i < block; ++i) to[i] = from[i * ld_src] + a;
+          continue;
+        }
+      }
+      for (int64_t i = 0; i < block; ++i) to[i] = from[i * ld_src];
     }
   }
 }
@@ -73,8 +71,8 @@ DC_CPU_DISPATCH void transpose_bits_in_blocks(const uint16_t* src, int64_t rows,
 template <typename half_t>
 void transpose(const half_t* src, int64_t rows, int64_t cols, int64_t ld_src, half_t* dst, int64_t ld_dst) {
   static_assert(sizeof(half_t) == sizeof(uint16_t), "a 16-bit type");
-  transpose_bits_in_blocks(reinterpret_cast<const uint16_t*>(src), rows, cols, ld_src,
-                           reinterpret_cast<uint16_t*>(dst), ld_dst);
+  transpose_in_blocks(reinterpret_cast<const uint16_t*>(src), rows, cols, ld_src, reinterpret_cast<uint16_t*>(dst),
+                      ld_dst, nullptr);
 }
 
 template void transpose<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, int64_t, c10::BFloat16*, int64_t);
