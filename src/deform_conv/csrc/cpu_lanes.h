@@ -117,6 +117,18 @@ inline void load_lanes(const scalar_t* p, FloatLanes& lanes) {
 
 inline void store_lanes(const FloatLanes& lanes, float* p) { std::memcpy(p, &lanes, sizeof(lanes)); }
 
+#if DC_CPU_VECTOR_BITS == 512
+// count < 16 floats from p in the first lanes, +0 in the others: one load under a mask (which reads nothing past
+// the count), in a library compiled for AVX-512 (cpu_kernels.h), whose kernels alone call it.
+inline void load_first_lanes(const float* p, int count, FloatLanes& lanes) {
+  const uint32_t mask = (uint32_t(1) << count) - 1;
+  asm("kmovw %1, %%k1\n\tvmovups %2, %0%{%%k1%}%{z%}"
+      : "=v"(lanes)
+      : "r"(mask), "m"(*reinterpret_cast<const float(*)[kSumLanes]>(p))
+      : "k1");
+}
+#endif
+
 // The lanes rounded to bfloat16 at p: to nearest, ties to even, a NaN to 0x7FC0 (c10::BFloat16's rule; torch's
 // vectorised .to() gives the same values, a NaN as another NaN's bits), on the bits. A library compiled for
 // AVX512-BF16 (cpu_kernels.h) rounds with its instruction, one for 16 lanes where the bits take ten: the same
@@ -184,9 +196,19 @@ struct LaneSums<float> {
     lanes += va * vb;
   }
   // The lanes from count on add +0 (which leaves a sum that began at +0 as it was). The products are set lane by
-  // lane in registers: copied through memory into a vector, they stalled every load on the stores just made.
+  // lane in registers: copied through memory into a vector, they stalled every load on the stores just made. In
+  // a library for AVX-512, float factors are loaded with a mask instead (load_first_lanes).
   template <typename A, typename B>
   void add_products(const A* a, const B* b, int count) {
+#if DC_CPU_VECTOR_BITS == 512
+    if constexpr (std::is_same_v<A, float> && std::is_same_v<B, float>) {
+      FloatLanes va, vb;
+      load_first_lanes(a, count, va);
+      load_first_lanes(b, count, vb);
+      lanes += va * vb;
+      return;
+    }
+#endif
     FloatLanes products = {};
 #pragma GCC unroll 16
     for (int j = 0; j < kSumLanes; ++j) {
