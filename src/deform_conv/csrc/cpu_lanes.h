@@ -26,6 +26,15 @@ namespace cpu {
 
 constexpr int kSumLanes = 16;
 
+// The helpers below that issue AVX-512 instructions themselves (inline assembly, in the libraries compiled for
+// AVX-512: cpu_kernels.h) are compiled for it too: Clang allocates an assembly operand's register in the helper
+// itself, before inlining it into the kernels, and a zmm register exists only there.
+#if DC_CPU_VECTOR_BITS == 512
+#define DC_AVX512_ASM __attribute__((target("avx512f")))
+#else
+#define DC_AVX512_ASM
+#endif
+
 // The 16 partial sums lane by lane, in an array.
 template <typename acc_t>
 struct LaneSums {
@@ -71,7 +80,7 @@ inline void upper_halves(const void* p, BitLanes& bits) {
 }
 
 // bfloat16 is the upper half of a float32.
-inline void load_lanes(const c10::BFloat16* p, FloatLanes& lanes) {
+DC_AVX512_ASM inline void load_lanes(const c10::BFloat16* p, FloatLanes& lanes) {
   BitLanes bits;
 #if defined(DC_CPU_AVX512_BF16)
   HalfBitLanes half;
@@ -120,7 +129,7 @@ inline void store_lanes(const FloatLanes& lanes, float* p) { std::memcpy(p, &lan
 #if DC_CPU_VECTOR_BITS == 512
 // count < 16 floats from p in the first lanes, +0 in the others: one load under a mask (which reads nothing past
 // the count), in a library compiled for AVX-512 (cpu_kernels.h), whose kernels alone call it.
-inline void load_first_lanes(const float* p, int count, FloatLanes& lanes) {
+DC_AVX512_ASM inline void load_first_lanes(const float* p, int count, FloatLanes& lanes) {
   const uint32_t mask = (uint32_t(1) << count) - 1;
   asm("kmovw %1, %%k1\n\tvmovups %2, %0%{%%k1%}%{z%}"
       : "=v"(lanes)
@@ -135,7 +144,7 @@ inline void load_first_lanes(const float* p, int count, FloatLanes& lanes) {
 // rounding, but it reads a subnormal as zero and keeps a NaN's sign and payload, so 16 lanes with either (AVX512DQ's
 // vfpclassps finds them) take the bits' way. (Written as assembly: the compiler is not told of AVX512-BF16,
 // cpu_kernels.h says why.)
-inline void store_lanes(const FloatLanes& lanes, c10::BFloat16* p) {
+DC_AVX512_ASM inline void store_lanes(const FloatLanes& lanes, c10::BFloat16* p) {
 #if defined(DC_CPU_AVX512_BF16)
   static_assert(sizeof(FloatLanes) == 64, "one zmm register");
   bool plain;  // no lane is a NaN or subnormal (the zero flag kortestw sets)
