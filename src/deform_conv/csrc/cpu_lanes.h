@@ -252,6 +252,34 @@ inline void for_float_blocks(int64_t n, const F& f) {
   if (i + kSumLanes / 4 <= n) f(FloatQuarterLanes{}, i), i += kSumLanes / 4;
   for (; i < n; ++i) f(float{}, i);
 }
+
+// A block of for_float_blocks (V: one of its tags) from p, widened to float exactly (load_lanes for 16 lanes of a
+// half type), and into p, rounded to its type (store_lanes for 16 lanes).
+template <typename V, typename T>
+inline void load_block(const T* p, V& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, p, sizeof(V));
+  } else if constexpr (std::is_same_v<V, FloatLanes>) {
+    load_lanes(p, v);
+  } else if constexpr (std::is_same_v<V, float>) {
+    v = static_cast<float>(*p);
+  } else {
+    for (int j = 0; j < static_cast<int>(sizeof(V) / sizeof(float)); ++j) v[j] = static_cast<float>(p[j]);
+  }
+}
+
+template <typename V, typename T>
+inline void store_block(const V& v, T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(p, &v, sizeof(V));
+  } else if constexpr (std::is_same_v<V, FloatLanes>) {
+    store_lanes(v, p);
+  } else if constexpr (std::is_same_v<V, float>) {
+    *p = static_cast<T>(v);
+  } else {
+    for (int j = 0; j < static_cast<int>(sizeof(V) / sizeof(float)); ++j) p[j] = static_cast<T>(v[j]);
+  }
+}
 #endif
 
 #if defined(__GNUC__)

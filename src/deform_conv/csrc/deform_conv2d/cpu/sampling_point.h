@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "../../cpu_kernels.h"
@@ -86,11 +85,10 @@ struct Corners {
 
 // dst[c] = (sum over the corners q of weight_q * pixel_q[channel + c]) (* m), c < len, each value rounded once
 // to column_t: scalar_t, or for float a half type (the half types' columns, which their GEMM reads so; to nearest
-// even as torch rounds, a NaN staying a NaN). In float, in vector registers to the last channel
-// (for_float_blocks), 16 channels at a time rounded there too (cpu_lanes.h): the same operations for every
-// element, so the same bits as the plain loop.
-// A half-type image (image_t) is widened in registers as its corners are loaded (exactly): the same values, so the
-// same bits as on its float32 copy.
+// even as torch rounds, a NaN staying a NaN). The pixels are scalar_t's, or for float a half type's (the half
+// types' images), widened exactly as they are loaded. In float, in vector registers to the last channel
+// (for_float_blocks), 16 channels at a time widened and rounded there too (cpu_lanes.h): the same operations for
+// every element, so the same bits as the plain loop.
 template <typename scalar_t, typename column_t, typename image_t>
 inline void interpolate_corners(const Corners<scalar_t, image_t>& k, int64_t channel, int64_t len, bool masked,
                                 scalar_t m, column_t* __restrict__ dst) {
@@ -98,44 +96,17 @@ inline void interpolate_corners(const Corners<scalar_t, image_t>& k, int64_t cha
   const image_t *__restrict__ p2 = k.pixel[2] + channel, *__restrict__ p3 = k.pixel[3] + channel;
   const scalar_t w0 = k.weight[0], w1 = k.weight[1], w2 = k.weight[2], w3 = k.weight[3];
 #if defined(__GNUC__)
-  if constexpr (std::is_same_v<scalar_t, float> && !std::is_same_v<image_t, float>) {
-    int64_t c = 0;
-    for (; c + kSumLanes <= len; c += kSumLanes) {
-      FloatLanes v0, v1, v2, v3;
-      load_lanes(p0 + c, v0);
-      load_lanes(p1 + c, v1);
-      load_lanes(p2 + c, v2);
-      load_lanes(p3 + c, v3);
-      FloatLanes v = w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3;
-      if (masked) v = v * m;
-      store_lanes(v, dst + c);
-    }
-    for (; c < len; ++c) {
-      const float v = w0 * static_cast<float>(p0[c]) + w1 * static_cast<float>(p1[c]) +
-                      w2 * static_cast<float>(p2[c]) + w3 * static_cast<float>(p3[c]);
-      dst[c] = static_cast<column_t>(masked ? v * m : v);
-    }
-    return;
-  }
-  if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<image_t, float>) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
     for_float_blocks(len, [&](const auto& tag, int64_t c) {
       using V = std::decay_t<decltype(tag)>;
       V v0, v1, v2, v3;
-      std::memcpy(&v0, p0 + c, sizeof(V));
-      std::memcpy(&v1, p1 + c, sizeof(V));
-      std::memcpy(&v2, p2 + c, sizeof(V));
-      std::memcpy(&v3, p3 + c, sizeof(V));
+      load_block(p0 + c, v0);
+      load_block(p1 + c, v1);
+      load_block(p2 + c, v2);
+      load_block(p3 + c, v3);
       V v = w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3;
       if (masked) v = v * m;
-      if constexpr (std::is_same_v<column_t, float>) {
-        std::memcpy(dst + c, &v, sizeof(V));
-      } else if constexpr (std::is_same_v<V, FloatLanes>) {
-        store_lanes(v, dst + c);
-      } else if constexpr (std::is_same_v<V, float>) {
-        dst[c] = static_cast<column_t>(v);
-      } else {
-        for (int j = 0; j < static_cast<int>(sizeof(V) / sizeof(float)); ++j) dst[c + j] = static_cast<column_t>(v[j]);
-      }
+      store_block(v, dst + c);
     });
     return;
   }
