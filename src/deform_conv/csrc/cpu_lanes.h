@@ -16,6 +16,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -126,17 +127,27 @@ inline void load_lanes(const scalar_t* p, FloatLanes& lanes) {
 
 inline void store_lanes(const FloatLanes& lanes, float* p) { std::memcpy(p, &lanes, sizeof(lanes)); }
 
+// count < 16 elements from p widened into the first lanes, +0 in the others, set in registers (copied through
+// memory into a vector, they stalled every load on the stores just made). Floats in a library compiled for
+// AVX-512 (cpu_kernels.h): one load under a mask, which reads nothing past the count.
+template <typename T>
+DC_AVX512_ASM inline void load_first_lanes(const T* p, int count, FloatLanes& lanes) {
 #if DC_CPU_VECTOR_BITS == 512
-// count < 16 floats from p in the first lanes, +0 in the others: one load under a mask (which reads nothing past
-// the count), in a library compiled for AVX-512 (cpu_kernels.h), whose kernels alone call it.
-DC_AVX512_ASM inline void load_first_lanes(const float* p, int count, FloatLanes& lanes) {
-  const uint32_t mask = (uint32_t(1) << count) - 1;
-  asm("kmovw %1, %%k1\n\tvmovups %2, %0%{%%k1%}%{z%}"
-      : "=v"(lanes)
-      : "r"(mask), "m"(*reinterpret_cast<const float(*)[kSumLanes]>(p))
-      : "k1");
-}
+  if constexpr (std::is_same_v<T, float>) {
+    const uint32_t mask = (uint32_t(1) << count) - 1;
+    asm("kmovw %1, %%k1\n\tvmovups %2, %0%{%%k1%}%{z%}"
+        : "=v"(lanes)
+        : "r"(mask), "m"(*reinterpret_cast<const float(*)[kSumLanes]>(p))
+        : "k1");
+    return;
+  }
 #endif
+  lanes = FloatLanes{};
+#pragma GCC unroll 16
+  for (int j = 0; j < kSumLanes; ++j) {
+    if (j < count) lanes[j] = static_cast<float>(p[j]);
+  }
+}
 
 // The lanes rounded to bfloat16 at p: to nearest, ties to even, a NaN to 0x7FC0 (c10::BFloat16's rule; torch's
 // vectorised .to() gives the same values, a NaN as another NaN's bits), on the bits. A library compiled for
@@ -192,39 +203,11 @@ inline void store_lanes(const FloatLanes& lanes, c10::Half* p) {
   std::memcpy(p, &out, sizeof(out));
 }
 
-// The 16 partial sums in one vector.
+// The 16 partial sums in one vector (lane_dots adds to them).
 template <>
 struct LaneSums<float> {
   FloatLanes lanes = {};
 
-  template <typename A, typename B>
-  void add_products(const A* a, const B* b) {
-    FloatLanes va, vb;
-    load_lanes(a, va);
-    load_lanes(b, vb);
-    lanes += va * vb;
-  }
-  // The lanes from count on add +0 (which leaves a sum that began at +0 as it was). The products are set lane by
-  // lane in registers: copied through memory into a vector, they stalled every load on the stores just made. In
-  // a library for AVX-512, float factors are loaded with a mask instead (load_first_lanes).
-  template <typename A, typename B>
-  void add_products(const A* a, const B* b, int count) {
-#if DC_CPU_VECTOR_BITS == 512
-    if constexpr (std::is_same_v<A, float> && std::is_same_v<B, float>) {
-      FloatLanes va, vb;
-      load_first_lanes(a, count, va);
-      load_first_lanes(b, count, vb);
-      lanes += va * vb;
-      return;
-    }
-#endif
-    FloatLanes products = {};
-#pragma GCC unroll 16
-    for (int j = 0; j < kSumLanes; ++j) {
-      if (j < count) products[j] = static_cast<float>(a[j]) * static_cast<float>(b[j]);
-    }
-    lanes += products;
-  }
   float total() const {
     FloatHalfLanes low, high;
     std::memcpy(&low, &lanes, sizeof(low));
@@ -359,28 +342,39 @@ inline void add_scaled(acc_t w, const acc_t* __restrict__ src, int64_t len, acc_
 template <int count, typename acc_t, typename A, typename B>
 inline void lane_dots(const A* a, const B* const* b, int64_t len, acc_t* dot) {
   LaneSums<acc_t> part[count];
-  int64_t d0 = 0;
 #if defined(__GNUC__)
   if constexpr (std::is_same_v<acc_t, float>) {  // a's lanes loaded once for all count vectors
-    for (; d0 + kSumLanes <= len; d0 += kSumLanes) {
+    for (int64_t d0 = 0; d0 < len; d0 += kSumLanes) {
+      // The last channels go to the first lanes, +0 * +0 to the others (a sum that began at +0 stays as it was).
+      const int n = static_cast<int>(std::min<int64_t>(kSumLanes, len - d0));
+      const auto load = [n](const auto* p, FloatLanes& lanes) {
+        if (n == kSumLanes) {
+          load_lanes(p, lanes);
+        } else {
+          load_first_lanes(p, n, lanes);
+        }
+      };
       FloatLanes lanes_a;
-      load_lanes(a + d0, lanes_a);
+      load(a + d0, lanes_a);
 #pragma GCC unroll 4
       for (int c = 0; c < count; ++c) {
         FloatLanes lanes_b;
-        load_lanes(b[c] + d0, lanes_b);
+        load(b[c] + d0, lanes_b);
         part[c].lanes += lanes_a * lanes_b;
       }
     }
-  }
+  } else
 #endif
-  for (; d0 + kSumLanes <= len; d0 += kSumLanes) {
+  {
+    int64_t d0 = 0;
+    for (; d0 + kSumLanes <= len; d0 += kSumLanes) {
 #pragma GCC unroll 4
-    for (int c = 0; c < count; ++c) part[c].add_products(a + d0, b[c] + d0);
-  }
-  if (d0 < len) {
+      for (int c = 0; c < count; ++c) part[c].add_products(a + d0, b[c] + d0);
+    }
+    if (d0 < len) {
 #pragma GCC unroll 4
-    for (int c = 0; c < count; ++c) part[c].add_products(a + d0, b[c] + d0, static_cast<int>(len - d0));
+      for (int c = 0; c < count; ++c) part[c].add_products(a + d0, b[c] + d0, static_cast<int>(len - d0));
+    }
   }
 #pragma GCC unroll 4
   for (int c = 0; c < count; ++c) dot[c] = part[c].total();
