@@ -64,8 +64,9 @@ struct SamplingTensors {
 };
 
 // `p` comes from make_conv_params on the same tensors (which validates them). `gemm_dtype` (on the CPU, a half
-// type; the passes' GEMM a convolution): the columns, sampled in the input's float32, are rounded once to it as
-// the fill pass writes them (the backend's fill_columns writes the column buffer's dtype), and
+// type; the passes' GEMM a convolution): the columns, sampled in float32 (from an input in float32 or in that
+// type, widened as it is loaded), are rounded once to it as the fill pass writes them (the backend's fill_columns
+// writes the column buffer's dtype), and
 // the convolution over them (oneDNN's, on its half-precision kernels) multiplies them by the weight and adds the
 // bias, both already in it, into an output in it.
 at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const at::Tensor& input,

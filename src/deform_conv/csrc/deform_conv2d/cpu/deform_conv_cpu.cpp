@@ -22,21 +22,22 @@ namespace deform_conv {
 namespace cpu {
 namespace {
 
-template <typename scalar_t>
-SamplingInputs<scalar_t> pointers(const SamplingTensors& t) {
-  return {t.input.const_data_ptr<scalar_t>(), t.offset.const_data_ptr<scalar_t>(),
+template <typename scalar_t, typename image_t = scalar_t>
+SamplingInputs<scalar_t, image_t> pointers(const SamplingTensors& t) {
+  return {t.input.const_data_ptr<image_t>(), t.offset.const_data_ptr<scalar_t>(),
           t.mask.defined() ? t.mask.const_data_ptr<scalar_t>() : nullptr};
 }
 
-// The columns in the input's dtype, or for a float32 input (a half-type layer's, widened) in the half type of the
-// column buffer: rounded once as they are sampled, for the half GEMM.
+// The columns in the input's dtype, or for a half-type layer's (its input in the half type, its offsets and mask
+// widened to float32) in the half type of the column buffer: sampled in float32 and rounded once as they are
+// written, for the half GEMM.
 void fill(const ConvParams& p, const SamplingTensors& t, int64_t first, int64_t images, at::Tensor& columns) {
   switch (columns.scalar_type()) {
     case at::kBFloat16:
-      fill_columns(p, pointers<float>(t), first, images, columns.mutable_data_ptr<c10::BFloat16>());
+      fill_columns(p, pointers<float, c10::BFloat16>(t), first, images, columns.mutable_data_ptr<c10::BFloat16>());
       return;
     case at::kHalf:
-      fill_columns(p, pointers<float>(t), first, images, columns.mutable_data_ptr<c10::Half>());
+      fill_columns(p, pointers<float, c10::Half>(t), first, images, columns.mutable_data_ptr<c10::Half>());
       return;
     default:
       AT_DISPATCH_FLOATING_TYPES(t.input.scalar_type(), "deform_conv2d_cpu", [&] {
@@ -104,8 +105,7 @@ at::Tensor deform_conv2d_forward(const at::Tensor& input, const at::Tensor& offs
   if (is_half_type(input)) {
     if (native_half_layer(p, input)) {
       if (tiled_forward_applies(p, input)) return tiled_forward(p, input, offset, mask, weight, bias);
-      return forward_with(kPasses, p, widened(input), widened(offset), weight, widened(mask), bias,
-                          input.scalar_type());
+      return forward_with(kPasses, p, input, widened(offset), weight, widened(mask), bias, input.scalar_type());
     }
     return deform_conv2d_forward(widened(input), widened(offset), widened(weight), widened(mask), widened(bias), stride, padding,
                    dilation, border_gradient)

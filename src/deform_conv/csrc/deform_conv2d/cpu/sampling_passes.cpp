@@ -248,9 +248,9 @@ DC_CPU_KERNEL(input_grad_tasks)
 
 }  // namespace
 
-template <typename scalar_t, typename column_t>
-void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image, int64_t images,
-                  column_t* columns) {
+template <typename scalar_t, typename column_t, typename image_t>
+void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t, image_t>& in, int64_t first_image,
+                  int64_t images, column_t* columns) {
   at::parallel_for(0, images * p.out_pixels(), kRowsPerTask, [&](int64_t begin, int64_t end) {
     fill_rows<scalar_t>(p, in, first_image, begin, end, columns + begin * p.taps() * p.in_channels);
   });
@@ -295,10 +295,10 @@ void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& 
 DEFORM_CONV_INSTANTIATE(float)
 DEFORM_CONV_INSTANTIATE(double)
 #undef DEFORM_CONV_INSTANTIATE
-template void fill_columns<float, c10::BFloat16>(const ConvParams&, const SamplingInputs<float>&, int64_t, int64_t,
-                                                 c10::BFloat16*);
-template void fill_columns<float, c10::Half>(const ConvParams&, const SamplingInputs<float>&, int64_t, int64_t,
-                                             c10::Half*);
+template void fill_columns<float, c10::BFloat16, c10::BFloat16>(
+    const ConvParams&, const SamplingInputs<float, c10::BFloat16>&, int64_t, int64_t, c10::BFloat16*);
+template void fill_columns<float, c10::Half, c10::Half>(const ConvParams&, const SamplingInputs<float, c10::Half>&,
+                                                       int64_t, int64_t, c10::Half*);
 template void fill_column_rows<float, c10::BFloat16, c10::BFloat16>(
     const ConvParams&, const SamplingInputs<float, c10::BFloat16>&, int64_t, int64_t, int64_t, c10::BFloat16*);
 template void fill_column_rows<float, c10::Half, c10::Half>(const ConvParams&, const SamplingInputs<float, c10::Half>&,

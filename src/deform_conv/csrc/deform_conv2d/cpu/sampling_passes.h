@@ -27,9 +27,9 @@ struct SamplingInputs {
 // columns[n, pixel, g, tap, c] = mask * bilinear(input[n, :, :, channel]) at the tap's sampling point. column_t
 // is scalar_t, or for float a half type: each column sampled in float and rounded once to it (the half types'
 // GEMMs read them so).
-template <typename scalar_t, typename column_t>
-void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image, int64_t images,
-                  column_t* columns);
+template <typename scalar_t, typename column_t, typename image_t = scalar_t>
+void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t, image_t>& in, int64_t first_image,
+                  int64_t images, column_t* columns);
 
 // The same for rows [row_begin, row_end) of the chunk only (a row is one (image, output pixel), numbered from
 // the chunk's first image), written from `columns` on: `columns` holds row row_begin's columns. Serial: for
