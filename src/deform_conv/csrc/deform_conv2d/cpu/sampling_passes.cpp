@@ -61,13 +61,13 @@ inline void block_origins(const ConvParams& p, int64_t first, int64_t len, int32
   }
 }
 
-// The points of offset group `group`, tap by tap, for output pixels first .. first + len - 1 of image n. The
-// passes then visit them pixel by pixel, taps inner, so that they read and write the columns (and the image)
-// nearly in order, as one point at a time did.
+// The points of offset group `group`, tap by tap, for output pixels first .. first + len - 1 of image n, their
+// corners in `source`. The passes then visit them pixel by pixel, taps inner, so that they read and write the
+// columns (and the image) nearly in order, as one point at a time did.
 template <typename scalar_t>
 inline void tap_points_of_group(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t n, int64_t group,
                                 int64_t first, int64_t len, const int32_t* y_origin, const int32_t* x_origin,
-                                PointBlock<scalar_t>* tap_points) {
+                                const CornerSource& source, PointBlock<scalar_t>* tap_points) {
   int32_t y_base[kPointBlock], x_base[kPointBlock];
   for (int64_t i = 0, tap = 0; i < p.kernel_h; ++i) {
     for (int64_t j = 0; j < p.kernel_w; ++j, ++tap) {
@@ -76,7 +76,7 @@ inline void tap_points_of_group(const ConvParams& p, const SamplingInputs<scalar
         x_base[b] = x_origin[b] + static_cast<int32_t>(j * p.dilation_w);
       }
       const scalar_t* dy = in.offset + p.offset_index(n, group, tap, first);
-      tap_points[tap].compute(len, y_base, x_base, dy, dy + p.out_pixels(), p.height, p.width);
+      tap_points[tap].compute(len, y_base, x_base, dy, dy + p.out_pixels(), p.height, p.width, source);
     }
   }
 }
@@ -100,9 +100,9 @@ struct BlockWalk {
 
   // The next block: output pixels first .. first + len - 1.
   void start_block(int64_t first, int64_t len) { block_origins(p, first, len, y_origin, x_origin); }
-  // taps[tap] for offset group `group` of image n in the block.
-  void compute_group(int64_t n, int64_t group, int64_t first, int64_t len) {
-    tap_points_of_group(p, in, n, group, first, len, y_origin, x_origin, taps);
+  // taps[tap] for offset group `group` of image n in the block, their corners in `source`.
+  void compute_group(int64_t n, int64_t group, int64_t first, int64_t len, const CornerSource& source) {
+    tap_points_of_group(p, in, n, group, first, len, y_origin, x_origin, source, taps);
   }
   const ChannelPiece* pieces_begin(int64_t group) const { return groups.pieces.data() + groups.starts[group]; }
   const ChannelPiece* pieces_end(int64_t group) const { return groups.pieces.data() + groups.starts[group + 1]; }
@@ -124,11 +124,11 @@ void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, image_t>
     walk.start_block(first, len);
     column_t* block_columns = columns + (row - row_begin) * row_size;
     for (int64_t group = 0; group < p.offset_groups; ++group) {
-      walk.compute_group(n, group, first, len);
+      walk.compute_group(n, group, first, len, corner_source(image, channels, zeros));
       const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
       for (int64_t b = 0; b < len; ++b) {
         for (int64_t tap = 0; tap < p.taps(); ++tap) {
-          const Corners<scalar_t, image_t> corners = walk.taps[tap].corners(b, image, p.width, channels, zeros);
+          const Corners<scalar_t, image_t> corners = walk.taps[tap].template corners<image_t>(b);
           const scalar_t m = masked ? in.mask[p.mask_index(n, group, tap, first + b)] : scalar_t(1);
           column_t* dst = block_columns + b * row_size + tap * per_group;
           for (const ChannelPiece* piece = pieces_begin; piece != pieces_end; ++piece) {
@@ -159,7 +159,7 @@ void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& i
     walk.start_block(first, len);
     const scalar_t* block_grad = grad_columns + row * row_size;
     for (int64_t group = 0; group < p.offset_groups; ++group) {
-      walk.compute_group(n, group, first, len);
+      walk.compute_group(n, group, first, len, corner_source(image, channels, zeros));
       const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
       for (int64_t b = 0; b < len; ++b) {
         for (int64_t tap = 0; tap < p.taps(); ++tap) {
@@ -167,7 +167,7 @@ void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& i
           // d loss / d value, d y and d x, before the mask's factor; the corners outside the image add nothing.
           scalar_t grad_value = sum_start<scalar_t>(points.nan[b]), grad_y = grad_value, grad_x = grad_value;
           if (points.inside[b]) {
-            const Corners<scalar_t> corners = points.corners(b, image, p.width, channels, zeros);
+            const Corners<scalar_t> corners = points.template corners<scalar_t>(b);
             const scalar_t ly = points.ly[b], lx = points.lx[b], hy = scalar_t(1) - ly, hx = scalar_t(1) - lx;
             const scalar_t weight_dy[4] = {-hx, -lx, hx, lx}, weight_dx[4] = {-hy, hy, -ly, ly};
             const scalar_t* grad = block_grad + b * row_size + tap * per_group;
@@ -218,7 +218,7 @@ void input_grad_tasks_body(const ConvParams& p, const SamplingInputs<scalar_t>& 
         if (std::max(block_begin, group * per_offset_group) >= std::min(block_end, (group + 1) * per_offset_group)) {
           continue;
         }
-        walk.compute_group(n, group, first, len);
+        walk.compute_group(n, group, first, len, corner_source<scalar_t>(image_grad, channels, nullptr));
         const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
         for (int64_t b = 0; b < len; ++b) {
           for (int64_t tap = 0; tap < p.taps(); ++tap) {
@@ -232,9 +232,7 @@ void input_grad_tasks_body(const ConvParams& p, const SamplingInputs<scalar_t>& 
               const scalar_t* __restrict__ grad = grad_row + piece->column + (c0 - piece->channel);
               for (int q = 0; q < 4; ++q) {
                 if (!points.valid[q][b]) continue;
-                const int64_t pixel =
-                    (static_cast<int64_t>(points.y0[b]) + (q >> 1)) * p.width + points.x0[b] + (q & 1);
-                scalar_t* __restrict__ dst = image_grad + pixel * channels + c0;
+                scalar_t* __restrict__ dst = reinterpret_cast<scalar_t*>(points.address[q][b]) + c0;
                 add_scaled(m * points.weight[q][b], grad, c1 - c0, dst);
               }
             }

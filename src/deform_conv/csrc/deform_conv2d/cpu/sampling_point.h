@@ -164,6 +164,19 @@ inline void interpolate(const BilinearSample<scalar_t>& s, const scalar_t* image
 // Output pixels whose sampling points are worked out together, one (offset group, tap) at a time.
 constexpr int64_t kPointBlock = 16;
 
+// Where a block's corners are read from: the address of pixel (0, 0) of a channels-last image, the bytes from one
+// pixel to the next, and a row of zeros that the corners outside the image read.
+struct CornerSource {
+  uintptr_t image, zeros;
+  int64_t pixel_bytes;
+};
+
+template <typename image_t>
+CornerSource corner_source(const image_t* image, int64_t channels, const image_t* zeros) {
+  return {reinterpret_cast<uintptr_t>(image), reinterpret_cast<uintptr_t>(zeros),
+          channels * static_cast<int64_t>(sizeof(image_t))};
+}
+
 // The sampling points of up to kPointBlock output pixels for one (offset group, tap): bilinear_point's numbers
 // (sampling.h), computed without branches so that the compiler vectorises the loop over the pixels. Between
 // channel loops, one point at a time, that arithmetic took most of the sampling's time where an offset group has
@@ -175,12 +188,14 @@ struct PointBlock {
   scalar_t weight[4][kPointBlock];           // its weight: 0 outside the image, NaN for a NaN coordinate
   int32_t inside[kPointBlock], nan[kPointBlock];  // as in BilinearPoint
   scalar_t ly[kPointBlock], lx[kPointBlock];      // the distances to the top-left corner
+  uintptr_t address[4][kPointBlock];              // corner q's pixel in the source, or its zeros outside
 
-  // Point b at (y_base[b] + dy[b], x_base[b] + dx[b]), b < len. (The conditions are 32-bit masks, not bools,
-  // and the library is compiled without trapping math, _jit/sources.py: GCC vectorises the loop only then.)
-  void compute(int64_t len, const int32_t* __restrict y_base,
-                                        const int32_t* __restrict x_base, const scalar_t* __restrict dy,
-                                        const scalar_t* __restrict dx, int64_t height, int64_t width) {
+  // Point b at (y_base[b] + dy[b], x_base[b] + dx[b]), b < len, its corners in `source`. (The conditions are
+  // 32-bit masks, not bools, and the library is compiled without trapping math, _jit/sources.py: GCC vectorises
+  // the loop only then.)
+  void compute(int64_t len, const int32_t* __restrict y_base, const int32_t* __restrict x_base,
+               const scalar_t* __restrict dy, const scalar_t* __restrict dx, int64_t height, int64_t width,
+               const CornerSource& source) {
     const int32_t h = static_cast<int32_t>(height), w = static_cast<int32_t>(width);
     const scalar_t hf = static_cast<scalar_t>(height), wf = static_cast<scalar_t>(width);
     int32_t *__restrict ys = y0, *__restrict xs = x0;
@@ -215,16 +230,28 @@ struct PointBlock {
       w2[b] = is_nan ? scalar_t(NAN) : (bottom & left) ? ly * hx : scalar_t(0);
       w3[b] = is_nan ? scalar_t(NAN) : (bottom & right) ? ly * lx : scalar_t(0);
     }
+    // The corners' addresses in a loop of their own, in 64 bits: worked out here 16 points at a time, where
+    // each point's channel loops took a dozen instructions to find them one by one.
+    const int64_t step = source.pixel_bytes, row = width * step;
+    const uintptr_t image = source.image, zeros = source.zeros;
+    uintptr_t *__restrict a0 = address[0], *__restrict a1 = address[1], *__restrict a2 = address[2];
+    uintptr_t* __restrict a3 = address[3];
+    for (int64_t b = 0; b < len; ++b) {
+      const uintptr_t at = image + static_cast<uintptr_t>(static_cast<int64_t>(ys[b]) * row +
+                                                          static_cast<int64_t>(xs[b]) * step);
+      a0[b] = v0[b] ? at : zeros;
+      a1[b] = v1[b] ? at + step : zeros;
+      a2[b] = v2[b] ? at + row : zeros;
+      a3[b] = v3[b] ? at + row + step : zeros;
+    }
   }
 
-  // Point b's corners in `image` (channels-last, `stride` apart per pixel).
+  // Point b's corners in the source compute() was given, an image of image_t.
   template <typename image_t>
-  Corners<scalar_t, image_t> corners(int64_t b, const image_t* image, int64_t width, int64_t stride,
-                                     const image_t* zeros) const {
+  Corners<scalar_t, image_t> corners(int64_t b) const {
     Corners<scalar_t, image_t> k;
     for (int q = 0; q < 4; ++q) {
-      const int64_t pixel = (static_cast<int64_t>(y0[b]) + (q >> 1)) * width + x0[b] + (q & 1);
-      k.pixel[q] = valid[q][b] ? image + pixel * stride : zeros;
+      k.pixel[q] = reinterpret_cast<const image_t*>(address[q][b]);
       k.weight[q] = weight[q][b];
     }
     return k;
