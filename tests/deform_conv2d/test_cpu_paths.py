@@ -43,6 +43,21 @@ def test_odd_channel_counts(dtype, kwargs):
     assert_all_close(results, output_and_grads(torchvision.ops.deform_conv2d, case), dtype)
 
 
+@pytest.mark.parametrize("batch", [1, 2], ids=["one_image", "two_images"])
+@pytest.mark.parametrize("per_offset_group", [8, 16, 32, 64, 24])
+def test_offset_group_widths(dtype, per_offset_group, batch):
+    """An offset group of 8, 16, 32 or 64 channels within one weight group runs channel loops of that fixed width
+    (sampling_passes.cpp, with_piece_length), 24 those of any width. Two images: two offset groups. One image, on
+    two threads or more, and one offset group: the input gradient's channels are cut into blocks that cut the
+    offset group, and take the loops of any width."""
+    offset_groups = 1 if batch == 1 else 2
+    case = _network_scale(make_case(dtype, batch=batch, in_channels=offset_groups * per_offset_group, out_channels=5,
+                                    groups=1, offset_groups=offset_groups))
+    results = output_and_grads(ours, case)
+    assert_all_close(results, output_and_grads(reference, case), dtype)
+    assert_all_close(results, output_and_grads(torchvision.ops.deform_conv2d, case), dtype)
+
+
 @pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no_mask"])
 @pytest.mark.parametrize("offset_groups", [1, 4])
 def test_depthwise_path(dtype, with_mask, offset_groups):
