@@ -175,7 +175,8 @@ def test_depthwise_layers_run_in_float32(half):
 def test_native_forward_on_the_driver(half, kwargs):
     """Layers the tiled path does not take -- an odd taps * C_in/groups (27 here: the tiled path packs the
     weight's depth in pairs), or 32 pixels of columns over 512 KiB (9 * 320 columns, 6 + 4 bytes each: 0.9 MiB)
-    -- run the driver's columns through the half type's convolution: within the same rounding."""
+    -- run the driver's columns through the half type's GEMMs (a convolution for the first; matrix products for the
+    second, whose 30 rows are few against its 2,880 columns): within the same rounding."""
     case = make_case(torch.float32, **kwargs)
     tensors = halves(case, half)
     with half_gemm_path("portable"):

@@ -34,7 +34,8 @@ struct SamplingPasses {
                                 const at::Tensor& grad_columns, at::Tensor& grad_input);
   // The column buffer of one chunk stays under this size (at least one image).
   int64_t column_budget_bytes;
-  // The forward's GEMM as a 1x1 convolution (oneDNN on the CPU: faster than BLAS there), or every GEMM as a plain
+  // The forward's GEMM as a 1x1 convolution (oneDNN on the CPU: faster than BLAS there, but for layers whose
+  // weight is large against the chunk, columns_driver.cpp's rows_gemm_pays), or every GEMM as a plain
   // one over the whole chunk (on CUDA: cuDNN would use TF32 for float32 by default, cuBLAS follows torch's matmul
   // setting, off).
   bool gemm_as_convolution;
