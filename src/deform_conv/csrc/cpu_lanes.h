@@ -1,6 +1,7 @@
 // The CPU kernels' loops over channels in vector registers: sums in 16 fixed lanes (LaneSums, lane_dots), exact
 // widening of 16 float16/bfloat16 values and rounding of 16 floats to them (load_lanes, store_lanes), elementwise
-// loops to the last channel (for_float_blocks) and 16x16 blocks turned over (transpose_lanes, transpose_block).
+// loops to the last channel (for_float_blocks), 16x16 blocks turned over (transpose_lanes, transpose_block), and
+// the channel counts of common layers as constants (with_common_width).
 //
 // Sums: channel d goes to lane d % 16, and the lanes are then added pairwise (lane j + lane j + 8, then j + j + 4,
 // j + j + 2, 0 + 1). The order is fixed here, not by the vector width the compiler picks: the same bits for any
@@ -318,6 +319,26 @@ inline void transpose_block(const float* src, int64_t ld_src, const float* add, 
   }
 }
 #endif
+
+// Calls f(width): width a std::integral_constant<int64_t, n> where n is 8, 16, 32 or 64 (the channels of a group
+// in the common layers), else n itself. Inlined into f, the channel loops below over a width the compiler sees
+// compile without their dispatch over block widths and tails (for_float_blocks, lane_dots) and the spills it
+// brings, which cost as much as their arithmetic where a point has few channels.
+template <typename F>
+inline void with_common_width(int64_t n, const F& f) {
+  switch (n) {
+    case 8:
+      return f(std::integral_constant<int64_t, 8>{});
+    case 16:
+      return f(std::integral_constant<int64_t, 16>{});
+    case 32:
+      return f(std::integral_constant<int64_t, 32>{});
+    case 64:
+      return f(std::integral_constant<int64_t, 64>{});
+    default:
+      return f(n);
+  }
+}
 
 // dst[d] += w * src[d], d < len: a weighted row added into a gradient.
 template <typename acc_t>

@@ -36,22 +36,18 @@ struct OffsetGroupPieces {
   }
 };
 
-// Calls f(length_of), length_of(piece) a piece's length: a constant the compiler sees where the offset group is
-// one piece of 8, 16, 32 or 64 channels (the small layers), so that the channel loops of its points compile
-// without the dispatch over block widths (for_float_blocks) and the spills that it brings, which cost as much as
-// their arithmetic (a stride-2 layer of 16 channels in two offset groups filled its columns 1.45x faster so).
-template <typename F>
+// Calls f(length_of), length_of(piece) a piece's length: in float, where the offset group is one piece, a constant
+// of with_common_width (cpu_lanes.h) if it has 8, 16, 32 or 64 channels. (A stride-2 layer of 16 channels in two
+// offset groups filled its columns 1.45x faster so. float64, for exact checks, keeps the one loop: each width is
+// another copy of the pass to compile.)
+template <typename scalar_t, typename F>
 inline void with_piece_length(const ChannelPiece* begin, const ChannelPiece* end, const F& f) {
-  if (end - begin == 1) {
-    switch (begin->length) {
-      case 8:
-        return f([](const ChannelPiece&) { return int64_t(8); });
-      case 16:
-        return f([](const ChannelPiece&) { return int64_t(16); });
-      case 32:
-        return f([](const ChannelPiece&) { return int64_t(32); });
-      case 64:
-        return f([](const ChannelPiece&) { return int64_t(64); });
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (end - begin == 1) {
+      with_common_width(begin->length, [&](const auto width) {
+        f([width](const ChannelPiece&) { return static_cast<int64_t>(width); });
+      });
+      return;
     }
   }
   f([](const ChannelPiece& piece) { return piece.length; });
@@ -147,7 +143,7 @@ void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, image_t>
     for (int64_t group = 0; group < p.offset_groups; ++group) {
       walk.compute_group(n, group, first, len, corner_source(image, channels, zeros));
       const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
-      with_piece_length(pieces_begin, pieces_end, [&](const auto length_of) {
+      with_piece_length<scalar_t>(pieces_begin, pieces_end, [&](const auto length_of) {
         for (int64_t b = 0; b < len; ++b) {
           for (int64_t tap = 0; tap < p.taps(); ++tap) {
             const Corners<scalar_t, image_t> corners = walk.taps[tap].template corners<image_t>(b);
@@ -184,7 +180,7 @@ void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& i
     for (int64_t group = 0; group < p.offset_groups; ++group) {
       walk.compute_group(n, group, first, len, corner_source(image, channels, zeros));
       const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
-      with_piece_length(pieces_begin, pieces_end, [&](const auto length_of) {
+      with_piece_length<scalar_t>(pieces_begin, pieces_end, [&](const auto length_of) {
         for (int64_t b = 0; b < len; ++b) {
           for (int64_t tap = 0; tap < p.taps(); ++tap) {
             const PointBlock<scalar_t>& points = walk.taps[tap];
@@ -268,7 +264,7 @@ void input_grad_tasks_body(const ConvParams& p, const SamplingInputs<scalar_t>& 
           }
         };
         if (blocks == 1) {
-          with_piece_length(pieces_begin, pieces_end, [&](const auto length_of) {
+          with_piece_length<scalar_t>(pieces_begin, pieces_end, [&](const auto length_of) {
             add_points([&](const ChannelPiece& piece, int64_t) { return length_of(piece); });
           });
         } else {
