@@ -36,13 +36,14 @@ struct OffsetGroupPieces {
   }
 };
 
-// Calls f(length_of), length_of(piece) a piece's length: in float, where the offset group is one piece, a constant
-// of with_common_width (cpu_lanes.h) if it has 8, 16, 32 or 64 channels. (A stride-2 layer of 16 channels in two
-// offset groups filled its columns 1.45x faster so. float64, for exact checks, keeps the one loop: each width is
-// another copy of the pass to compile.)
-template <typename scalar_t, typename F>
+// Calls f(length_of), length_of(piece) a piece's length: where the offset group is one piece, with fixed_widths, a
+// constant of with_common_width (cpu_lanes.h) if it has 8, 16, 32 or 64 channels. (A stride-2 layer of 16
+// channels in two offset groups filled its columns 1.45x faster so.) The passes fix the widths in float32 only:
+// float64 (exact checks) keeps one loop, as each width is another copy of the pass to compile, and the half types'
+// fill (their corners widened, their columns rounded in registers) ran 15% slower at a fixed 64 channels.
+template <bool fixed_widths, typename F>
 inline void with_piece_length(const ChannelPiece* begin, const ChannelPiece* end, const F& f) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
+  if constexpr (fixed_widths) {
     if (end - begin == 1) {
       with_common_width(begin->length, [&](const auto width) {
         f([width](const ChannelPiece&) { return static_cast<int64_t>(width); });
@@ -52,6 +53,10 @@ inline void with_piece_length(const ChannelPiece* begin, const ChannelPiece* end
   }
   f([](const ChannelPiece& piece) { return piece.length; });
 }
+
+// Whether the passes of scalar_t fix the channel widths (with_piece_length).
+template <typename scalar_t>
+constexpr bool kFixedWidths = std::is_same_v<scalar_t, float>;
 
 // `channels` zeros, kept per thread: the corners of a point that lie outside the image read them with weight 0,
 // so that every point interpolates four corners in one pass, and a non-finite pixel outside the sum stays out.
@@ -143,7 +148,8 @@ void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, image_t>
     for (int64_t group = 0; group < p.offset_groups; ++group) {
       walk.compute_group(n, group, first, len, corner_source(image, channels, zeros));
       const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
-      with_piece_length<scalar_t>(pieces_begin, pieces_end, [&](const auto length_of) {
+      constexpr bool fixed_widths = kFixedWidths<scalar_t> && kFixedWidths<image_t>;
+      with_piece_length<fixed_widths>(pieces_begin, pieces_end, [&](const auto length_of) {
         for (int64_t b = 0; b < len; ++b) {
           for (int64_t tap = 0; tap < p.taps(); ++tap) {
             const Corners<scalar_t, image_t> corners = walk.taps[tap].template corners<image_t>(b);
@@ -180,7 +186,7 @@ void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& i
     for (int64_t group = 0; group < p.offset_groups; ++group) {
       walk.compute_group(n, group, first, len, corner_source(image, channels, zeros));
       const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
-      with_piece_length<scalar_t>(pieces_begin, pieces_end, [&](const auto length_of) {
+      with_piece_length<kFixedWidths<scalar_t>>(pieces_begin, pieces_end, [&](const auto length_of) {
         for (int64_t b = 0; b < len; ++b) {
           for (int64_t tap = 0; tap < p.taps(); ++tap) {
             const PointBlock<scalar_t>& points = walk.taps[tap];
@@ -264,7 +270,7 @@ void input_grad_tasks_body(const ConvParams& p, const SamplingInputs<scalar_t>& 
           }
         };
         if (blocks == 1) {
-          with_piece_length<scalar_t>(pieces_begin, pieces_end, [&](const auto length_of) {
+          with_piece_length<kFixedWidths<scalar_t>>(pieces_begin, pieces_end, [&](const auto length_of) {
             add_points([&](const ChannelPiece& piece, int64_t) { return length_of(piece); });
           });
         } else {
