@@ -48,10 +48,11 @@ at::Tensor channels_last_buffer(const SamplingPasses& passes, ScratchSlot slot, 
 }
 
 // The column buffer of `images` images, viewed as the channels-last input of the 1x1 convolution:
-// [images, groups * taps * C_in/groups, out_h, out_w] with channels innermost in memory.
+// [images, groups * taps * C_in/groups, out_h, out_w] with channels innermost in memory (in `slot`: the columns,
+// or the backward's columns' gradient where they are apart).
 at::Tensor column_buffer(const SamplingPasses& passes, const ConvParams& p, int64_t images,
-                         const at::TensorOptions& options) {
-  return channels_last_buffer(passes, ScratchSlot::columns,
+                         const at::TensorOptions& options, ScratchSlot slot = ScratchSlot::columns) {
+  return channels_last_buffer(passes, slot,
                               {images, p.groups * p.taps() * p.in_channels_per_group(), p.out_h, p.out_w}, options);
 }
 
@@ -252,21 +253,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
           images_per_chunk(p, input.element_size(), passes.stretched_budget_bytes, extra_per_image);
       chunk = std::max(chunk, std::min({int64_t(at::get_num_threads()), stretched, p.batch}));
     }
-    at::Tensor columns = column_buffer(passes, p, std::min(chunk, p.batch), input.options());
+    // The columns, and where they are in a half type, their gradient apart in the input's dtype.
+    const bool columns_apart = passes.backward_column_dtype != at::ScalarType::Undefined;
+    TORCH_CHECK(!columns_apart || (!chunk_gemms && passes.backward_gemms != nullptr),
+                "deform_conv: half-type backward columns need the backend's backward GEMMs");
+    const int64_t buffer_images = std::min(chunk, p.batch);
+    at::Tensor columns = column_buffer(
+        passes, p, buffer_images, columns_apart ? input.options().dtype(passes.backward_column_dtype) : input.options());
+    at::Tensor grad_columns = columns_apart
+                                  ? column_buffer(passes, p, buffer_images, input.options(), ScratchSlot::grad_columns)
+                                  : at::Tensor();
     for (int64_t first = 0; first < p.batch; first += chunk) {
       const int64_t images = std::min(chunk, p.batch - first);
       at::Tensor chunk_columns = columns.narrow(0, 0, images);
+      at::Tensor chunk_grad_columns = columns_apart ? grad_columns.narrow(0, 0, images) : chunk_columns;
       passes.fill_columns(p, tensors, first, images, chunk_columns);
       if (chunk_gemms) {
         const at::Tensor grad_rows = grad_output_rows.narrow(0, first, images).contiguous()
                                          .view({images * p.out_pixels(), p.out_channels});
         chunk_gemms_backward(p, grad_rows, weight_matrix, chunk_columns, grad_weights);
-      } else if (passes.backward_gemms == nullptr ||
-                 !passes.backward_gemms(p, grad_output, first, images, weight_matrix, chunk_columns, grad_weights)) {
+      } else if (passes.backward_gemms == nullptr || !passes.backward_gemms(p, grad_output, first, images, weight_matrix,
+                                                                            chunk_columns, chunk_grad_columns,
+                                                                            grad_weights)) {
+        TORCH_CHECK(!columns_apart, "deform_conv: the backward GEMMs refused half-type columns");
         backward_gemms_with_aten(p, grad_output, first, images, weight_matrix, chunk_columns, grad_weights);
       }
-      passes.coordinate_and_mask_grads(p, tensors, first, images, chunk_columns, grad_offset, grad_mask);
-      passes.accumulate_input_grad(p, tensors, first, images, chunk_columns, grad_input);
+      passes.coordinate_and_mask_grads(p, tensors, first, images, chunk_grad_columns, grad_offset, grad_mask);
+      passes.accumulate_input_grad(p, tensors, first, images, chunk_grad_columns, grad_input);
     }
   } else {
     grad_offset.zero_();

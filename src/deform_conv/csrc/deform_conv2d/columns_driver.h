@@ -20,8 +20,9 @@ struct SamplingTensors;
 // What the driver's scratch buffers are for (see SamplingPasses::scratch).
 // `tile`: the CPU's tiled passes (cpu/tiled_forward.h, cpu/brgemm.h): a task's columns and product, a worker's
 // channels-last image, a tile of grad_output. `half_factors`: the half types' GEMMs' rounded and packed factors
-// (cpu/half_gemm.h).
-enum class ScratchSlot { columns = 0, channels_last_input = 1, tile = 2, half_factors = 3 };
+// (cpu/half_gemm.h). `grad_columns`: the columns' gradient where the columns are in a half type
+// (SamplingPasses::backward_column_dtype).
+enum class ScratchSlot { columns = 0, channels_last_input = 1, tile = 2, half_factors = 3, grad_columns = 4 };
 
 struct SamplingPasses {
   // The columns (see ConvParams::column_index) of images [first, first + images).
@@ -41,9 +42,11 @@ struct SamplingPasses {
   bool gemm_as_convolution;
   // The backward's GEMMs for images [first, first + images), where the backend has a faster way than the
   // driver's ATen mm per image and group: grad_weights [C_out, taps * C_in/G] += grad_output x columns, then
-  // the columns overwritten by their gradient. Returns false to leave them to the driver; nullptr: always.
+  // the columns' gradient into grad_columns (the columns themselves, overwritten, unless backward_column_dtype
+  // says otherwise). Returns false to leave them to the driver; nullptr: always.
   bool (*backward_gemms)(const ConvParams&, const at::Tensor& grad_output, int64_t first, int64_t images,
-                         const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights);
+                         const at::Tensor& weight_matrix, const at::Tensor& columns, at::Tensor& grad_columns,
+                         at::Tensor& grad_weights);
   // A channels-last tensor of `sizes` for one of the driver's internal buffers, valid until this thread asks
   // for the same slot again; nullptr: a fresh at::empty each time.
   at::Tensor (*scratch)(ScratchSlot slot, at::IntArrayRef sizes, const at::TensorOptions& options);
@@ -53,6 +56,10 @@ struct SamplingPasses {
   // repeats the sampling of every point: S1 of the benchmark scaled 1.33x from one thread to two that way, 1.74x
   // with two images.)
   int64_t stretched_budget_bytes;
+  // Undefined: the backward's columns are in the input's dtype, and their gradient overwrites them. A half type:
+  // fill_columns writes the backward's columns in it (each rounded once, for backward_gemms, which must then
+  // take them), and their gradient goes to a buffer of the input's dtype.
+  at::ScalarType backward_column_dtype = at::ScalarType::Undefined;
 };
 
 // The tensors the passes read, in the layout they expect: input channels-last [B, H, W, C_in] in memory (a

@@ -179,7 +179,7 @@ void narrow_rows(const float* src, int64_t rows, int64_t length, half_t* dst, in
 template <typename half_t>
 void half_backward_gemms_in_tasks(const ConvParams& p, const HalfGemm& gemm, const at::Tensor& grad_output,
                                   int64_t first, int64_t images, const at::Tensor& weight_matrix,
-                                  at::Tensor& columns, at::Tensor& grad_weights) {
+                                  const at::Tensor& columns, at::Tensor& grad_columns, at::Tensor& grad_weights) {
   const at::ScalarType dtype = c10::CppTypeToScalarType<half_t>::value;
   const int64_t pixels = p.out_pixels(), row = p.taps() * p.in_channels, depth = even(pixels);
   const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
@@ -188,8 +188,6 @@ void half_backward_gemms_in_tasks(const ConvParams& p, const HalfGemm& gemm, con
   at::Tensor grad_out_h = grad_output.new_zeros({images, p.out_channels, depth}, grad_output.options().dtype(dtype));
   narrow_rows(grad_out_c.const_data_ptr<float>(), images * p.out_channels, pixels,
               grad_out_h.mutable_data_ptr<half_t>(), depth);
-  at::Tensor columns_h = columns.new_empty(columns.sizes(), columns.options().dtype(dtype));  // as the columns
-  narrow_rows(columns.const_data_ptr<float>(), images * pixels, row, columns_h.mutable_data_ptr<half_t>(), row);
   // Each group's weight [C_out/G, taps * C_in/G] as panels of kPanelWidth columns, packed over all its rows.
   const at::Tensor weight_c = weight_matrix.contiguous();
   const int64_t panels = ceil_div(per_group, kPanelWidth), slot = even(out_per_group) * packed_width(kPanelWidth);
@@ -203,9 +201,9 @@ void half_backward_gemms_in_tasks(const ConvParams& p, const HalfGemm& gemm, con
     }
   });
   const half_t* grad_out = grad_out_h.const_data_ptr<half_t>();
-  const half_t* cols_h = columns_h.const_data_ptr<half_t>();
+  const half_t* cols_h = columns.const_data_ptr<half_t>();
   const half_t* weight = weight_packed.const_data_ptr<half_t>();
-  float* cols = columns.mutable_data_ptr<float>();
+  float* cols = grad_columns.mutable_data_ptr<float>();
   float* grad_w = grad_weights.mutable_data_ptr<float>();
 
   const WeightGradientTasks tasks(p);
@@ -260,32 +258,40 @@ void half_backward_gemms_in_tasks(const ConvParams& p, const HalfGemm& gemm, con
 }  // namespace
 
 bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
-                    const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights) {
+                    const at::Tensor& weight_matrix, const at::Tensor& columns, at::Tensor& grad_columns,
+                    at::Tensor& grad_weights) {
+  TORCH_INTERNAL_ASSERT(columns.is_same(grad_columns), "deform_conv: float32 columns are their own gradient");
   if (grad_output.scalar_type() != at::kFloat || grad_weights.scalar_type() != at::kFloat ||
       !grad_output_tile_fits(p) || !batch_reduce_gemm_works()) {
     return false;
   }
-  backward_gemms_in_tasks(p, grad_output, first, images, weight_matrix, columns, grad_weights, gemm_on_this_thread,
-                          release_gemm_context);
+  backward_gemms_in_tasks(p, grad_output, first, images, weight_matrix, grad_columns, grad_weights,
+                          gemm_on_this_thread, release_gemm_context);
   return true;
 }
 
+bool half_backward_gemms_fit(const ConvParams& p) { return half_grad_output_tile_fits(p); }
+
 template <typename half_t>
 bool half_backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
-                         const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights) {
-  const HalfGemm gemm = half_gemm_for(c10::CppTypeToScalarType<half_t>::value);
+                         const at::Tensor& weight_matrix, const at::Tensor& columns, at::Tensor& grad_columns,
+                         at::Tensor& grad_weights) {
+  const at::ScalarType dtype = c10::CppTypeToScalarType<half_t>::value;
+  const HalfGemm gemm = half_gemm_for(dtype);
   if (grad_output.scalar_type() != at::kFloat || grad_weights.scalar_type() != at::kFloat ||
-      !half_grad_output_tile_fits(p) || !gemm.uses_native_path()) {
+      columns.scalar_type() != dtype || grad_columns.scalar_type() != at::kFloat || !half_grad_output_tile_fits(p) ||
+      !gemm.uses_native_path()) {
     return false;
   }
-  half_backward_gemms_in_tasks<half_t>(p, gemm, grad_output, first, images, weight_matrix, columns, grad_weights);
+  half_backward_gemms_in_tasks<half_t>(p, gemm, grad_output, first, images, weight_matrix, columns, grad_columns,
+                                       grad_weights);
   return true;
 }
 
 template bool half_backward_gemms<c10::BFloat16>(const ConvParams&, const at::Tensor&, int64_t, int64_t,
-                                                 const at::Tensor&, at::Tensor&, at::Tensor&);
+                                                 const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&);
 template bool half_backward_gemms<c10::Half>(const ConvParams&, const at::Tensor&, int64_t, int64_t,
-                                             const at::Tensor&, at::Tensor&, at::Tensor&);
+                                             const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&);
 
 }  // namespace cpu
 }  // namespace deform_conv

@@ -42,16 +42,23 @@ void release_gemm_context();
 // [images, out_pixels, taps * C_in] are overwritten by their gradient, each group's grad_output transposed x its
 // weight. Deterministic: every element is summed by one task in a fixed order, whatever the thread count.
 // Returns false, doing nothing, where it does not apply.
+// `columns` and `grad_columns` are the same tensor (the columns' gradient overwrites them).
 bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
-                    const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights);
+                    const at::Tensor& weight_matrix, const at::Tensor& columns, at::Tensor& grad_columns,
+                    at::Tensor& grad_weights);
 
 // The same GEMMs for a bfloat16 or float16 (half_t) layer whose backward the driver runs in float32 on widened
-// tensors, on half GEMMs where the CPU has them (half_gemm.h): grad_output and the weight come back to half_t
-// exactly (they were in it), the columns are rounded once to it as in the native forward, and every sum stays in
-// float32. Returns false, doing nothing, where there is no native half GEMM.
+// tensors, on half GEMMs where the CPU has them (half_gemm.h): the columns come filled in half_t (each rounded
+// once, as in the native forward), grad_output and the weight come back to it exactly (they were in it), every sum
+// stays in float32, and the columns' gradient goes to grad_columns, float32. Returns false, doing nothing, where
+// there is no native half GEMM or half_backward_gemms_fit says no.
 template <typename half_t>
 bool half_backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
-                         const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights);
+                         const at::Tensor& weight_matrix, const at::Tensor& columns, at::Tensor& grad_columns,
+                         at::Tensor& grad_weights);
+
+// Whether a layer's grad_output tiles fit half_backward_gemms' scratch memory.
+bool half_backward_gemms_fit(const ConvParams& p);
 
 }  // namespace cpu
 }  // namespace deform_conv

@@ -28,16 +28,27 @@ SamplingInputs<scalar_t, image_t> pointers(const SamplingTensors& t) {
           t.mask.defined() ? t.mask.const_data_ptr<scalar_t>() : nullptr};
 }
 
-// The columns in the input's dtype, or for a half-type layer's (its input in the half type, its offsets and mask
-// widened to float32) in the half type of the column buffer: sampled in float32 and rounded once as they are
+// A half-type layer's columns (its offsets and mask widened to float32; its input in the half type, or in the
+// backward widened too) in the half type of the column buffer: sampled in float32 and rounded once as they are
 // written, for the half GEMM.
+template <typename half_t>
+void fill_half(const ConvParams& p, const SamplingTensors& t, int64_t first, int64_t images, at::Tensor& columns) {
+  half_t* out = columns.mutable_data_ptr<half_t>();
+  if (t.input.scalar_type() == at::kFloat) {
+    fill_columns(p, pointers<float>(t), first, images, out);
+  } else {
+    fill_columns(p, pointers<float, half_t>(t), first, images, out);
+  }
+}
+
+// The columns in the input's dtype, or in the half type of the column buffer (fill_half).
 void fill(const ConvParams& p, const SamplingTensors& t, int64_t first, int64_t images, at::Tensor& columns) {
   switch (columns.scalar_type()) {
     case at::kBFloat16:
-      fill_columns(p, pointers<float, c10::BFloat16>(t), first, images, columns.mutable_data_ptr<c10::BFloat16>());
+      fill_half<c10::BFloat16>(p, t, first, images, columns);
       return;
     case at::kHalf:
-      fill_columns(p, pointers<float, c10::Half>(t), first, images, columns.mutable_data_ptr<c10::Half>());
+      fill_half<c10::Half>(p, t, first, images, columns);
       return;
     default:
       AT_DISPATCH_FLOATING_TYPES(t.input.scalar_type(), "deform_conv2d_cpu", [&] {
@@ -69,11 +80,13 @@ void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, in
 constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(8) << 20, /*gemm_as_convolution=*/true,
                                  /*backward_gemms=*/backward_gemms, scratch, kMaxKeptScratchBytes};
 // A half-type layer's backward where the CPU multiplies its type natively: the passes in float32 on the widened
-// tensors, the GEMMs on the half type's (brgemm.h).
+// tensors, but the columns filled in the half type, for the GEMMs on the half type's (brgemm.h).
 constexpr SamplingPasses kBFloat16Passes{fill, coordinate_grads, input_grad, int64_t(8) << 20, true,
-                                         half_backward_gemms<c10::BFloat16>, scratch, kMaxKeptScratchBytes};
+                                         half_backward_gemms<c10::BFloat16>, scratch, kMaxKeptScratchBytes,
+                                         /*backward_column_dtype=*/at::kBFloat16};
 constexpr SamplingPasses kFloat16Passes{fill, coordinate_grads, input_grad, int64_t(8) << 20, true,
-                                        half_backward_gemms<c10::Half>, scratch, kMaxKeptScratchBytes};
+                                        half_backward_gemms<c10::Half>, scratch, kMaxKeptScratchBytes,
+                                        /*backward_column_dtype=*/at::kHalf};
 
 // Whether a half-type layer's GEMMs run on the half type's here (depthwise layers have none).
 bool native_half_layer(const ConvParams& p, const at::Tensor& input) {
@@ -126,7 +139,7 @@ deform_conv2d_backward(
   check_grad_output(p, grad_output, input);
   if (is_half_type(input)) {
     const at::ScalarType dtype = input.scalar_type();
-    if (native_half_layer(p, input)) {
+    if (native_half_layer(p, input) && half_backward_gemms_fit(p)) {
       const SamplingPasses& passes = dtype == at::kBFloat16 ? kBFloat16Passes : kFloat16Passes;
       auto [gi, go, gw, gm, gb] = backward_with(passes, p, widened(grad_output), widened(input), widened(offset),
                                                 widened(weight), widened(mask), bias_defined);

@@ -148,7 +148,7 @@ void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, image_t>
     for (int64_t group = 0; group < p.offset_groups; ++group) {
       walk.compute_group(n, group, first, len, corner_source(image, channels, zeros));
       const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
-      constexpr bool fixed_widths = kFixedWidths<scalar_t> && kFixedWidths<image_t>;
+      constexpr bool fixed_widths = kFixedWidths<scalar_t> && kFixedWidths<image_t> && kFixedWidths<column_t>;
       with_piece_length<fixed_widths>(pieces_begin, pieces_end, [&](const auto length_of) {
         for (int64_t b = 0; b < len; ++b) {
           for (int64_t tap = 0; tap < p.taps(); ++tap) {
@@ -337,6 +337,11 @@ template void fill_columns<float, c10::BFloat16, c10::BFloat16>(
     const ConvParams&, const SamplingInputs<float, c10::BFloat16>&, int64_t, int64_t, c10::BFloat16*);
 template void fill_columns<float, c10::Half, c10::Half>(const ConvParams&, const SamplingInputs<float, c10::Half>&,
                                                        int64_t, int64_t, c10::Half*);
+// The half types' backward: their columns from the widened input.
+template void fill_columns<float, c10::BFloat16, float>(const ConvParams&, const SamplingInputs<float>&, int64_t,
+                                                       int64_t, c10::BFloat16*);
+template void fill_columns<float, c10::Half, float>(const ConvParams&, const SamplingInputs<float>&, int64_t,
+                                                   int64_t, c10::Half*);
 template void fill_column_rows<float, c10::BFloat16, c10::BFloat16>(
     const ConvParams&, const SamplingInputs<float, c10::BFloat16>&, int64_t, int64_t, int64_t, c10::BFloat16*);
 template void fill_column_rows<float, c10::Half, c10::Half>(const ConvParams&, const SamplingInputs<float, c10::Half>&,

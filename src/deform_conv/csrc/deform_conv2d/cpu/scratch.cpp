@@ -43,7 +43,7 @@ struct KeptBuffer {
   }
 };
 
-constexpr int kSlots = 4;
+constexpr int kSlots = 5;
 
 }  // namespace
 
