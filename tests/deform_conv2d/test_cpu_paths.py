@@ -44,9 +44,9 @@ def test_odd_channel_counts(dtype, kwargs):
 
 
 @pytest.mark.parametrize("batch", [1, 2], ids=["one_image", "two_images"])
-@pytest.mark.parametrize("per_offset_group", [8, 16, 32, 64, 24])
+@pytest.mark.parametrize("per_offset_group", [8, 12, 16, 32, 64, 24])
 def test_offset_group_widths(dtype, per_offset_group, batch):
-    """An offset group of 8, 16, 32 or 64 channels within one weight group runs channel loops of that fixed width
+    """An offset group of 8, 12, 16, 32 or 64 channels within one weight group runs channel loops of that fixed width
     (sampling_passes.cpp, with_piece_length), 24 those of any width. Two images: two offset groups. One image, on
     two threads or more, and one offset group: the input gradient's channels are cut into blocks that cut the
     offset group, and take the loops of any width."""

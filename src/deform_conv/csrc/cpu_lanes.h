@@ -361,7 +361,7 @@ inline void total_four(const FloatLanes& a, const FloatLanes& b, const FloatLane
 }
 #endif
 
-// Calls f(width): width a std::integral_constant<int64_t, n> where n is 8, 16, 32 or 64 (the channels of a group
+// Calls f(width): width a std::integral_constant<int64_t, n> where n is 8, 12, 16, 32 or 64 (the channels of a group
 // in the common layers), else n itself. Inlined into f, the channel loops below over a width the compiler sees
 // compile without their dispatch over block widths and tails (for_float_blocks, lane_dots) and the spills it
 // brings, which cost as much as their arithmetic where a point has few channels.
@@ -370,6 +370,8 @@ inline void with_common_width(int64_t n, const F& f) {
   switch (n) {
     case 8:
       return f(std::integral_constant<int64_t, 8>{});
+    case 12:
+      return f(std::integral_constant<int64_t, 12>{});
     case 16:
       return f(std::integral_constant<int64_t, 16>{});
     case 32:

@@ -37,7 +37,7 @@ struct OffsetGroupPieces {
 };
 
 // Calls f(length_of), length_of(piece) a piece's length: where the offset group is one piece, with fixed_widths, a
-// constant of with_common_width (cpu_lanes.h) if it has 8, 16, 32 or 64 channels. (A stride-2 layer of 16
+// constant of with_common_width (cpu_lanes.h) if it has 8, 12, 16, 32 or 64 channels. (A stride-2 layer of 16
 // channels in two offset groups filled its columns 1.45x faster so.) The passes fix the widths in float32 only:
 // float64 (exact checks) keeps one loop, as each width is another copy of the pass to compile, and the half types'
 // fill (their corners widened, their columns rounded in registers) ran 15% slower at a fixed 64 channels.
