@@ -269,33 +269,41 @@ inline void store_block(const V& v, T* p) {
 #if defined(__GNUC__)
 typedef int32_t IndexLanes __attribute__((vector_size(kSumLanes * sizeof(int32_t))));
 
-// Lane i of interleave_runs<h, part>: of each 2h lanes, the first h from a's and then h from b's run number `part`
-// (0 or 1) of h lanes; b's lanes are numbered from 16, as the shuffle builtins number them.
-constexpr int run_lane(int h, int part, int i) {
-  const int chunk = i / (2 * h) * (2 * h), offset = i % (2 * h);
-  return offset < h ? chunk + part * h + offset : kSumLanes + chunk + part * h + offset - h;
-}
-
-template <int h, int part, int... i>
-inline FloatLanes interleave_runs(const FloatLanes& a, const FloatLanes& b, std::integer_sequence<int, i...>) {
+// Lanes Lane::at(i), i < 16, of a (numbered 0-15) and b (16-31), as the shuffle builtins number them.
+template <typename Lane, int... i>
+inline FloatLanes shuffle_lanes(const FloatLanes& a, const FloatLanes& b, std::integer_sequence<int, i...>) {
 #if defined(__clang__)
-  return __builtin_shufflevector(a, b, run_lane(h, part, i)...);
+  return __builtin_shufflevector(a, b, Lane::at(i)...);
 #else
-  return __builtin_shuffle(a, b, IndexLanes{run_lane(h, part, i)...});
+  return __builtin_shuffle(a, b, IndexLanes{Lane::at(i)...});
 #endif
 }
+
+template <typename Lane>
+inline FloatLanes shuffle_lanes(const FloatLanes& a, const FloatLanes& b) {
+  return shuffle_lanes<Lane>(a, b, std::make_integer_sequence<int, kSumLanes>{});
+}
+
+// For transpose_round: of each 2h lanes, the first h from a's and then h from b's run number `part` (0 or 1) of h
+// lanes.
+template <int h, int part>
+struct RunLane {
+  static constexpr int at(int i) {
+    const int chunk = i / (2 * h) * (2 * h), offset = i % (2 * h);
+    return offset < h ? chunk + part * h + offset : kSumLanes + chunk + part * h + offset - h;
+  }
+};
 
 // rows[0..15] (16 rows of 16 floats) turned over in registers: rows[k][i] becomes rows[i][k]. Four rounds, each
 // pairing rows h apart (h = 8, 4, 2, 1) and interleaving their runs of h lanes: 64 two-vector shuffles for 256
 // values, where moving them one by one took a load and a store each.
 template <int h>
 inline void transpose_round(FloatLanes rows[kSumLanes]) {
-  constexpr auto lanes = std::make_integer_sequence<int, kSumLanes>{};
   for (int r = 0; r < kSumLanes; ++r) {
     if (r & h) continue;
     const FloatLanes a = rows[r], b = rows[r + h];
-    rows[r] = interleave_runs<h, 0>(a, b, lanes);
-    rows[r + h] = interleave_runs<h, 1>(a, b, lanes);
+    rows[r] = shuffle_lanes<RunLane<h, 0>>(a, b);
+    rows[r + h] = shuffle_lanes<RunLane<h, 1>>(a, b);
   }
 }
 
@@ -319,31 +327,24 @@ inline void transpose_block(const float* src, int64_t ld_src, const float* add, 
   }
 }
 
-// Lane i of the vectors that total_four adds: `step` 0 takes both vectors' halves (a's into lanes 0-7, b's into
-// 8-15), `part` 0 the low and 1 the high half of each; step 1 the quarters of four halves (lanes 0-7 of a, 8-15
-// of a, 0-7 of b, 8-15 of b) into four runs of four lanes; step 2 the third and fourth of each run of four, step 3
-// the second and first.
-constexpr int total_lane(int step, int part, int i) {
-  switch (step) {
-    case 0:
-      return (i < 8 ? 0 : kSumLanes) + part * 8 + i % 8;
-    case 1:
-      return (i / 4 >= 2 ? kSumLanes : 0) + (i / 4) % 2 * 8 + part * 4 + i % 4;
-    case 2:
-      return i / 4 * 4 + (i % 4 + 2) % 4;
-    default:
-      return i / 4 * 4 + (i % 4 ^ 1);
+// For total_four: `step` 0 takes both vectors' halves (a's into lanes 0-7, b's into 8-15), `part` 0 the low and 1
+// the high half of each; step 1 the quarters of four halves (lanes 0-7 of a, 8-15 of a, 0-7 of b, 8-15 of b) into
+// four runs of four lanes; step 2 the third and fourth of each run of four, step 3 the second and first.
+template <int step, int part>
+struct TotalLane {
+  static constexpr int at(int i) {
+    switch (step) {
+      case 0:
+        return (i < 8 ? 0 : kSumLanes) + part * 8 + i % 8;
+      case 1:
+        return (i / 4 >= 2 ? kSumLanes : 0) + (i / 4) % 2 * 8 + part * 4 + i % 4;
+      case 2:
+        return i / 4 * 4 + (i % 4 + 2) % 4;
+      default:
+        return i / 4 * 4 + (i % 4 ^ 1);
+    }
   }
-}
-
-template <int step, int part, int... i>
-inline FloatLanes total_shuffle(const FloatLanes& a, const FloatLanes& b, std::integer_sequence<int, i...>) {
-#if defined(__clang__)
-  return __builtin_shufflevector(a, b, total_lane(step, part, i)...);
-#else
-  return __builtin_shuffle(a, b, IndexLanes{total_lane(step, part, i)...});
-#endif
-}
+};
 
 // The totals of four lane sums at once, each added in LaneSums<float>::total()'s order (the same pairs, so the
 // same bits): the four vectors' halves, quarters and pairs side by side in the lanes of fewer vectors, 12
@@ -351,12 +352,11 @@ inline FloatLanes total_shuffle(const FloatLanes& a, const FloatLanes& b, std::i
 // a backward pass over few channels.
 inline void total_four(const FloatLanes& a, const FloatLanes& b, const FloatLanes& c, const FloatLanes& d,
                        float total[4]) {
-  constexpr auto lanes = std::make_integer_sequence<int, kSumLanes>{};
-  const FloatLanes ab = total_shuffle<0, 0>(a, b, lanes) + total_shuffle<0, 1>(a, b, lanes);
-  const FloatLanes cd = total_shuffle<0, 0>(c, d, lanes) + total_shuffle<0, 1>(c, d, lanes);
-  const FloatLanes quarters = total_shuffle<1, 0>(ab, cd, lanes) + total_shuffle<1, 1>(ab, cd, lanes);
-  const FloatLanes pairs = quarters + total_shuffle<2, 0>(quarters, quarters, lanes);
-  const FloatLanes sums = pairs + total_shuffle<3, 0>(pairs, pairs, lanes);
+  const FloatLanes ab = shuffle_lanes<TotalLane<0, 0>>(a, b) + shuffle_lanes<TotalLane<0, 1>>(a, b);
+  const FloatLanes cd = shuffle_lanes<TotalLane<0, 0>>(c, d) + shuffle_lanes<TotalLane<0, 1>>(c, d);
+  const FloatLanes quarters = shuffle_lanes<TotalLane<1, 0>>(ab, cd) + shuffle_lanes<TotalLane<1, 1>>(ab, cd);
+  const FloatLanes pairs = quarters + shuffle_lanes<TotalLane<2, 0>>(quarters, quarters);
+  const FloatLanes sums = pairs + shuffle_lanes<TotalLane<3, 0>>(pairs, pairs);
   for (int k = 0; k < 4; ++k) total[k] = sums[4 * k];
 }
 #endif
