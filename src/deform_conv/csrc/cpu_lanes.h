@@ -347,9 +347,9 @@ struct TotalLane {
 };
 
 // The totals of four lane sums at once, each added in LaneSums<float>::total()'s order (the same pairs, so the
-// same bits): the four vectors' halves, quarters and pairs side by side in the lanes of fewer vectors, 12
-// shuffles and 6 additions where four totals one by one took about 30 instructions, most of the per-point work of
-// a backward pass over few channels.
+// same bits): the four vectors' halves, quarters and pairs side by side in the lanes of fewer vectors, 8 shuffles
+// and 5 additions where four totals one by one took about 30 instructions, much of the per-point work of a
+// backward pass over few channels.
 inline void total_four(const FloatLanes& a, const FloatLanes& b, const FloatLanes& c, const FloatLanes& d,
                        float total[4]) {
   const FloatLanes ab = shuffle_lanes<TotalLane<0, 0>>(a, b) + shuffle_lanes<TotalLane<0, 1>>(a, b);

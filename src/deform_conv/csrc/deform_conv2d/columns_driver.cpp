@@ -138,11 +138,13 @@ void chunk_gemms_forward(const ConvParams& p, const at::Tensor& chunk_columns, c
 // every call: that costs as much as the products where a weight row is longer than the chunk has rows. Measured on
 // a Sapphire Rapids Xeon (2 threads), float32 forward: 512 channels at 14x14, 2 images (392 rows of 4608), 4.6 ms
 // against 5.5 ms; 1024 channels at 7x7, 5.4 ms against 18.7 ms; but 256 channels at 28x28 (3136 rows of 2304)
-// 1.06x slower and 64 at 56x56 1.28x slower. bfloat16 (AMX) gains from them only on a quarter of that: 1.06x
-// slower at 392 rows of 4608, 1.4x and 3.5x faster at 196 rows of 4608 and 98 of 9216.
+// 1.06x slower and 64 at 56x56 1.28x slower. The half types (bfloat16 on AMX) gain from them only where a weight
+// row is 16 times longer: 1.06x slower at 392 rows of 4608, 1.4x and 3.5x faster at 196 rows of 4608 and 98 of
+// 9216. Decided once a call, for its largest chunk: a batch's last, shorter chunk takes the same GEMM as the others.
 bool rows_gemm_pays(const ConvParams& p, int64_t rows, at::ScalarType dtype) {
   const int64_t row_length = p.taps() * p.in_channels_per_group();
-  return dtype == at::kFloat ? rows < row_length : 16 * rows < row_length;
+  const bool half_type = dtype == at::kBFloat16 || dtype == at::kHalf;
+  return (half_type ? 16 * rows : rows) < row_length;
 }
 
 // The forward's GEMM of one chunk as matrix products over its rows (images * H_out*W_out of them): for each weight
@@ -206,6 +208,8 @@ at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const
   const at::TensorOptions column_options = input.options().dtype(gemm_dtype.value_or(input.scalar_type()));
   const int64_t chunk = images_per_chunk(p, column_options.dtype().itemsize(), passes.column_budget_bytes);
   at::Tensor columns = column_buffer(passes, p, std::min(chunk, p.batch), column_options);
+  const bool rows_gemm = passes.gemm_as_convolution &&
+                         rows_gemm_pays(p, columns.size(0) * p.out_pixels(), column_options.dtype().toScalarType());
   for (int64_t first = 0; first < p.batch; first += chunk) {
     const int64_t images = std::min(chunk, p.batch - first);
     at::Tensor chunk_columns = columns.narrow(0, 0, images);
@@ -213,7 +217,7 @@ at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const
     at::Tensor chunk_output = output.narrow(0, first, images);
     if (!passes.gemm_as_convolution) {
       chunk_gemms_forward(p, chunk_columns, weight_1x1, bias, chunk_output);
-    } else if (rows_gemm_pays(p, images * p.out_pixels(), column_options.dtype().toScalarType())) {
+    } else if (rows_gemm) {
       chunk_gemm_rows(p, chunk_columns, weight_1x1, bias, chunk_output);
     } else {
       chunk_output.copy_(at::conv2d(chunk_columns, weight_1x1, bias, kOnes, kZeros, kOnes, p.groups));
@@ -258,11 +262,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
     TORCH_CHECK(!columns_apart || (!chunk_gemms && passes.backward_gemms != nullptr),
                 "deform_conv: half-type backward columns need the backend's backward GEMMs");
     const int64_t buffer_images = std::min(chunk, p.batch);
-    at::Tensor columns = column_buffer(
-        passes, p, buffer_images, columns_apart ? input.options().dtype(passes.backward_column_dtype) : input.options());
-    at::Tensor grad_columns = columns_apart
-                                  ? column_buffer(passes, p, buffer_images, input.options(), ScratchSlot::grad_columns)
-                                  : at::Tensor();
+    const at::TensorOptions column_options =
+        columns_apart ? input.options().dtype(passes.backward_column_dtype) : input.options();
+    at::Tensor columns = column_buffer(passes, p, buffer_images, column_options);
+    at::Tensor grad_columns =
+        columns_apart ? column_buffer(passes, p, buffer_images, input.options(), ScratchSlot::grad_columns)
+                      : at::Tensor();
     for (int64_t first = 0; first < p.batch; first += chunk) {
       const int64_t images = std::min(chunk, p.batch - first);
       at::Tensor chunk_columns = columns.narrow(0, 0, images);
@@ -272,11 +277,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
         const at::Tensor grad_rows = grad_output_rows.narrow(0, first, images).contiguous()
                                          .view({images * p.out_pixels(), p.out_channels});
         chunk_gemms_backward(p, grad_rows, weight_matrix, chunk_columns, grad_weights);
-      } else if (passes.backward_gemms == nullptr || !passes.backward_gemms(p, grad_output, first, images, weight_matrix,
-                                                                            chunk_columns, chunk_grad_columns,
-                                                                            grad_weights)) {
-        TORCH_CHECK(!columns_apart, "deform_conv: the backward GEMMs refused half-type columns");
-        backward_gemms_with_aten(p, grad_output, first, images, weight_matrix, chunk_columns, grad_weights);
+      } else if (passes.backward_gemms == nullptr ||
+                 !passes.backward_gemms(p, grad_output, first, images, weight_matrix, chunk_columns,
+                                        chunk_grad_columns, grad_weights)) {
+        // Half-type columns refused (the half GEMM's settings, DEFORM_CONV_CPU_HALF_GEMM or oneDNN's flag, changed
+        // since the call began, on another thread): ATen's GEMMs on them, widened.
+        if (columns_apart) chunk_grad_columns.copy_(chunk_columns);
+        backward_gemms_with_aten(p, grad_output, first, images, weight_matrix, chunk_grad_columns, grad_weights);
       }
       passes.coordinate_and_mask_grads(p, tensors, first, images, chunk_grad_columns, grad_offset, grad_mask);
       passes.accumulate_input_grad(p, tensors, first, images, chunk_grad_columns, grad_input);

@@ -57,8 +57,8 @@ struct SamplingPasses {
   // with two images.)
   int64_t stretched_budget_bytes;
   // Undefined: the backward's columns are in the input's dtype, and their gradient overwrites them. A half type:
-  // fill_columns writes the backward's columns in it (each rounded once, for backward_gemms, which must then
-  // take them), and their gradient goes to a buffer of the input's dtype.
+  // fill_columns writes the backward's columns in it (each rounded once, for backward_gemms), and their gradient
+  // goes to a buffer of the input's dtype.
   at::ScalarType backward_column_dtype = at::ScalarType::Undefined;
 };
 

@@ -171,11 +171,11 @@ void narrow_rows(const float* src, int64_t rows, int64_t length, half_t* dst, in
   });
 }
 
-// The same GEMMs on half_t factors, each rounded once (half_conversion.h's rounding) before the GEMMs:
-// grad_output, the columns and the weight (packed once). Each task packs its panel of the columns 512 rows at a
-// time as it multiplies them, in blocks of kDepthBlock rows of depth, odd depths padded with a zero, the blocks'
-// sums added in order: the same blocks, calls and sums as rounding the float32 operands block by block gave,
-// so the same bits, but each value rounded once instead of once per task that reads it.
+// The same GEMMs on half_t factors, each rounded once: the columns as the fill wrote them, grad_output and the
+// weight here (half_conversion.h's rounding; the weight packed once). Each task packs its panel of the columns
+// 512 rows at a time as it multiplies them, in blocks of kDepthBlock rows of depth, odd depths padded with a zero,
+// the blocks' sums added in order: the same blocks, calls and sums as rounding the float32 operands block by block
+// gave, so the same bits, but each value rounded once instead of once per task that reads it.
 template <typename half_t>
 void half_backward_gemms_in_tasks(const ConvParams& p, const HalfGemm& gemm, const at::Tensor& grad_output,
                                   int64_t first, int64_t images, const at::Tensor& weight_matrix,
