@@ -167,6 +167,10 @@ TILED_SHAPES = {
     # of 64 and 16): group and panel offsets both nonzero.
     "groups_wide": dict(batch=3, in_channels=128, out_channels=160, size=(12, 11), kernel=(3, 3), stride=(1, 1),
                         padding=(1, 1), dilation=(1, 1), groups=2, offset_groups=2),
+    # 256 channels: a weight of 2.4 MB, over 2 MiB, so tiles of up to 1 MiB where the L2 cache holds 2 MiB or
+    # more (tiled_forward.cpp's tile_bytes): 2 tiles of 66 pixels an image (3 of 44 pixels elsewhere).
+    "large_weight": dict(batch=2, in_channels=256, out_channels=256, size=(11, 12), kernel=(3, 3), stride=(1, 1),
+                         padding=(1, 1), dilation=(1, 1), groups=1, offset_groups=1),
     "awkward_geometry": dict(),
     "no_mask_no_bias": dict(with_mask=False, with_bias=False),
 }

@@ -3,6 +3,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <numeric>
 #include <type_traits>
@@ -48,9 +50,26 @@ int64_t tile_bytes_per_pixel(const ConvParams& p, at::ScalarType dtype) {
   return (column_floats_per_pixel(p, dtype) + p.out_channels) * static_cast<int64_t>(sizeof(float));
 }
 
-// As large as kTileBytes allows, but small enough (down to kMinTilePixels) that every thread gets a tile.
+// A tile's bytes: kTileBytes, or twice that where the weight is larger than a 2 MiB L2 cache (or more) holds beside
+// a tile. Each tile's GEMMs then stream the whole weight from the next cache, and twice the pixels a tile halve
+// that: 256 channels at 28x28 (2.4 MB of float32 weight) took 1.23-1.24x conv2d's forward time with 1 MiB tiles
+// against 1.29-1.37x with 512 KiB on a Sapphire Rapids Xeon; a layer whose weight fits (0.9 MB) ran 4% slower with
+// them. CPUs with a smaller L2 keep kTileBytes.
+int64_t tile_bytes(const ConvParams& p, at::ScalarType dtype) {
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+  static const int64_t l2_bytes = sysconf(_SC_LEVEL2_CACHE_SIZE);  // 0 or -1 where the C library does not know it
+#else
+  constexpr int64_t l2_bytes = 0;
+#endif
+  constexpr int64_t kLargeL2 = int64_t(2) << 20;
+  const int64_t weight_bytes =
+      p.out_channels * p.taps() * p.in_channels_per_group() * static_cast<int64_t>(c10::elementSize(dtype));
+  return l2_bytes >= kLargeL2 && weight_bytes > kLargeL2 ? 2 * kTileBytes : kTileBytes;
+}
+
+// As large as tile_bytes allows, but small enough (down to kMinTilePixels) that every thread gets a tile.
 Tiling tiling(const ConvParams& p, at::ScalarType dtype, int64_t threads) {
-  const int64_t most = std::max<int64_t>(1, kTileBytes / tile_bytes_per_pixel(p, dtype));
+  const int64_t most = std::max<int64_t>(1, tile_bytes(p, dtype) / tile_bytes_per_pixel(p, dtype));
   const int64_t enough = std::max(kMinTilePixels, ceil_div(p.out_pixels(), ceil_div(threads, p.batch)));
   int64_t tiles = ceil_div(p.out_pixels(), std::min(most, enough));
   // A whole number of tasks per thread where the tiles stay large enough: at::parallel_for hands each thread one
