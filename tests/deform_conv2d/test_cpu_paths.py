@@ -46,8 +46,9 @@ def test_odd_channel_counts(dtype, kwargs):
 @pytest.mark.parametrize("batch", [1, 2], ids=["one_image", "two_images"])
 @pytest.mark.parametrize("per_offset_group", [8, 12, 16, 32, 64, 24])
 def test_offset_group_widths(dtype, per_offset_group, batch):
-    """An offset group of 8, 12, 16, 32 or 64 channels within one weight group runs channel loops of that fixed width
-    (sampling_passes.cpp, with_piece_length), 24 those of any width. Two images: two offset groups. One image, on
+    """In float32, an offset group of 8, 12, 16, 32 or 64 channels within one weight group runs channel loops of that
+    fixed width (sampling_passes.cpp, with_piece_length), 24 those of any width; float64 runs the loops of any width
+    for all of them, the same shapes checked against the reference. Two images: two offset groups. One image, on
     two threads or more, and one offset group: the input gradient's channels are cut into blocks that cut the
     offset group, and take the loops of any width."""
     offset_groups = 1 if batch == 1 else 2

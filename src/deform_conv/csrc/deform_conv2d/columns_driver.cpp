@@ -143,8 +143,7 @@ void chunk_gemms_forward(const ConvParams& p, const at::Tensor& chunk_columns, c
 // 9216. Decided once a call, for its largest chunk: a batch's last, shorter chunk takes the same GEMM as the others.
 bool rows_gemm_pays(const ConvParams& p, int64_t rows, at::ScalarType dtype) {
   const int64_t row_length = p.taps() * p.in_channels_per_group();
-  const bool half_type = dtype == at::kBFloat16 || dtype == at::kHalf;
-  return (half_type ? 16 * rows : rows) < row_length;
+  return (c10::isReducedFloatingType(dtype) ? 16 * rows : rows) < row_length;
 }
 
 // The forward's GEMM of one chunk as matrix products over its rows (images * H_out*W_out of them): for each weight
