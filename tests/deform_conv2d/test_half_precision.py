@@ -238,6 +238,35 @@ def test_gradients_on_the_native_path(half, shape):
     assert not torch.equal(native[2], rounded[2])
 
 
+def widened_shapes(run, half) -> list[list[int]]:
+    """The shapes of the tensors that `run()` converts from `half` to float32 through ATen (the profiler's
+    record of aten::_to_copy: its input's shape, and the dtype it was asked for, by code)."""
+    with torch.profiler.profile(record_shapes=True) as prof:
+        torch.ones(5, dtype=half).float()  # the float32 code, as this profiler records it
+        run()
+    copies = [e for e in prof.events() if e.name == "aten::_to_copy"]
+    float_code = copies[0].concrete_inputs[1]
+    return [e.input_shapes[0] for e in copies[1:] if e.concrete_inputs[1] == float_code]
+
+
+@HALF_TYPES
+def test_native_backward_reads_the_half_tensors_as_they_are(half):
+    """The native backward samples the half-type input and multiplies grad_output and the weight as they are: no
+    float32 copy of any of them (the offsets and the mask, sampling coordinates, are widened)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 7, 9, generator=g).to(half).requires_grad_()
+    offset = torch.randn(2, 18, 7, 9, generator=g).to(half).requires_grad_()
+    weight = torch.randn(10, 6, 3, 3, generator=g).to(half).requires_grad_()
+    mask = torch.rand(2, 9, 7, 9, generator=g).to(half).requires_grad_()
+    with half_gemm_path("portable"):
+        out = ours(x, offset, weight, padding=1, mask=mask)
+        grad_output = torch.randn(out.shape, generator=g).to(half)
+        widened = widened_shapes(lambda: torch.autograd.grad(out, (x, offset, weight, mask), grad_output), half)
+    assert [2, 18, 7, 9] in widened  # the offsets: the profiler saw the widening it is asked about
+    for name, t in (("input", x), ("grad_output", grad_output), ("weight", weight)):
+        assert list(t.shape) not in widened, f"the backward widened the {name}: {widened}"
+
+
 @HALF_TYPES
 def test_native_forward_propagates_nan(half):
     case = make_case(torch.float32, **NATIVE_SHAPES["one_image"])

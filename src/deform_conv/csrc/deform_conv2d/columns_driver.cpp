@@ -250,14 +250,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
     const bool copy_grad_rows = chunk_gemms && !grad_output.is_contiguous(at::MemoryFormat::ChannelsLast);
     const at::Tensor grad_output_rows = chunk_gemms ? grad_output.permute({0, 2, 3, 1}) : at::Tensor();
     const int64_t extra_per_image = copy_grad_rows ? p.out_pixels() * p.out_channels * input.element_size() : 0;
-    int64_t chunk = images_per_chunk(p, input.element_size(), passes.column_budget_bytes, extra_per_image);
+    // The columns, and where they are in a half type, their gradient apart in the accumulation type: the budget
+    // bounds the larger buffer.
+    const bool columns_apart = passes.backward_column_dtype != at::ScalarType::Undefined;
+    const at::TensorOptions grad_column_options = input.options().dtype(columns_apart ? acc_type : input.scalar_type());
+    const int64_t element_size = grad_column_options.dtype().itemsize();
+    int64_t chunk = images_per_chunk(p, element_size, passes.column_budget_bytes, extra_per_image);
     if (passes.stretched_budget_bytes > 0) {
-      const int64_t stretched =
-          images_per_chunk(p, input.element_size(), passes.stretched_budget_bytes, extra_per_image);
+      const int64_t stretched = images_per_chunk(p, element_size, passes.stretched_budget_bytes, extra_per_image);
       chunk = std::max(chunk, std::min({int64_t(at::get_num_threads()), stretched, p.batch}));
     }
-    // The columns, and where they are in a half type, their gradient apart in the input's dtype.
-    const bool columns_apart = passes.backward_column_dtype != at::ScalarType::Undefined;
     TORCH_CHECK(!columns_apart || (!chunk_gemms && passes.backward_gemms != nullptr),
                 "deform_conv: half-type backward columns need the backend's backward GEMMs");
     const int64_t buffer_images = std::min(chunk, p.batch);
@@ -265,7 +267,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
         columns_apart ? input.options().dtype(passes.backward_column_dtype) : input.options();
     at::Tensor columns = column_buffer(passes, p, buffer_images, column_options);
     at::Tensor grad_columns =
-        columns_apart ? column_buffer(passes, p, buffer_images, input.options(), ScratchSlot::grad_columns)
+        columns_apart ? column_buffer(passes, p, buffer_images, grad_column_options, ScratchSlot::grad_columns)
                       : at::Tensor();
     for (int64_t first = 0; first < p.batch; first += chunk) {
       const int64_t images = std::min(chunk, p.batch - first);
@@ -280,9 +282,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
                  !passes.backward_gemms(p, grad_output, first, images, weight_matrix, chunk_columns,
                                         chunk_grad_columns, grad_weights)) {
         // Half-type columns refused (the half GEMM's settings, DEFORM_CONV_CPU_HALF_GEMM or oneDNN's flag, changed
-        // since the call began, on another thread): ATen's GEMMs on them, widened.
-        if (columns_apart) chunk_grad_columns.copy_(chunk_columns);
-        backward_gemms_with_aten(p, grad_output, first, images, weight_matrix, chunk_grad_columns, grad_weights);
+        // since the call began, on another thread): ATen's GEMMs on them, widened, and on grad_output and the
+        // weight widened too.
+        if (columns_apart) {
+          chunk_grad_columns.copy_(chunk_columns);
+          backward_gemms_with_aten(p, grad_output.narrow(0, first, images).to(acc_type), 0, images,
+                                   weight_matrix.to(acc_type), chunk_grad_columns, grad_weights);
+        } else {
+          backward_gemms_with_aten(p, grad_output, first, images, weight_matrix, chunk_grad_columns, grad_weights);
+        }
       }
       passes.coordinate_and_mask_grads(p, tensors, first, images, chunk_grad_columns, grad_offset, grad_mask);
       passes.accumulate_input_grad(p, tensors, first, images, chunk_grad_columns, grad_input);

@@ -56,9 +56,9 @@ struct SamplingPasses {
   // repeats the sampling of every point: S1 of the benchmark scaled 1.33x from one thread to two that way, 1.74x
   // with two images.)
   int64_t stretched_budget_bytes;
-  // Undefined: the backward's columns are in the input's dtype, and their gradient overwrites them. A half type:
-  // fill_columns writes the backward's columns in it (each rounded once, for backward_gemms), and their gradient
-  // goes to a buffer of the input's dtype.
+  // Undefined: the backward's columns are in the input's dtype, and their gradient overwrites them. A half type
+  // (the input's): fill_columns writes the backward's columns in it (each rounded once, for backward_gemms), and
+  // their gradient goes to a float32 buffer, which the other two passes read, their own sums in float32.
   at::ScalarType backward_column_dtype = at::ScalarType::Undefined;
 };
 

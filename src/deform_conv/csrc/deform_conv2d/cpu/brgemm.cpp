@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <string>
 
-#include "half_conversion.h"
 #include "half_gemm.h"
 #include "scratch.h"
 #include "transpose.h"
@@ -157,48 +156,37 @@ bool grad_output_tile_fits(const ConvParams& p) {
   return kPixelTile * p.out_channels * int64_t(sizeof(float)) <= kMaxKeptScratchBytes;
 }
 
-// The half types' tile holds each group's grad_output rounded too.
+// The half types' tile holds one group's grad_output.
 bool half_grad_output_tile_fits(const ConvParams& p) {
-  const int64_t rounded = kPixelTile * even(p.out_channels_per_group()) * int64_t(sizeof(uint16_t));
-  return kPixelTile * p.out_channels * int64_t(sizeof(float)) + rounded <= kMaxKeptScratchBytes;
+  return kPixelTile * even(p.out_channels_per_group()) * int64_t(sizeof(uint16_t)) <= kMaxKeptScratchBytes;
 }
 
-// dst = src rounded to half_t (half_conversion.h's rounding), rows of `length` floats `rows` apart in src and
-// `stride` apart in dst, split between threads.
-template <typename half_t>
-void narrow_rows(const float* src, int64_t rows, int64_t length, half_t* dst, int64_t stride) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(length, 1)),
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) narrow(src + r * length, length, dst + r * stride);
-  });
-}
-
-// The same GEMMs on half_t factors, each rounded once: the columns as the fill wrote them, grad_output and the
-// weight here (half_conversion.h's rounding; the weight packed once). Each task packs its panel of the columns
-// 512 rows at a time as it multiplies them, in blocks of kDepthBlock rows of depth, odd depths padded with a zero,
-// the blocks' sums added in order: the same blocks, calls and sums as rounding the float32 operands block by block
-// gave, so the same bits, but each value rounded once instead of once per task that reads it.
+// The same GEMMs on half_t factors, as the layer holds them: the columns as the fill wrote them (each rounded
+// once), grad_output and the weight (packed once) in half_t. Each task packs its panel of the columns 512 rows at
+// a time as it multiplies them, in blocks of kDepthBlock rows of depth, odd depths padded with a zero, the blocks'
+// sums added in order, in float32.
 template <typename half_t>
 void half_backward_gemms_in_tasks(const ConvParams& p, const HalfGemm& gemm, const at::Tensor& grad_output,
                                   int64_t first, int64_t images, const at::Tensor& weight_matrix,
                                   const at::Tensor& columns, at::Tensor& grad_columns, at::Tensor& grad_weights) {
-  const at::ScalarType dtype = c10::CppTypeToScalarType<half_t>::value;
   const int64_t pixels = p.out_pixels(), row = p.taps() * p.in_channels, depth = even(pixels);
   const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
-  // [images, C_out, pixels] rounded, a zero past an odd pixel count: the rows the grad_weights GEMM reads.
-  const at::Tensor grad_out_c = grad_output.narrow(0, first, images).contiguous();
-  at::Tensor grad_out_h = grad_output.new_zeros({images, p.out_channels, depth}, grad_output.options().dtype(dtype));
-  narrow_rows(grad_out_c.const_data_ptr<float>(), images * p.out_channels, pixels,
-              grad_out_h.mutable_data_ptr<half_t>(), depth);
+  // [images, C_out, depth]: the rows the grad_weights GEMM reads, a zero past an odd pixel count (a copy then).
+  at::Tensor grad_out_h = grad_output.narrow(0, first, images).contiguous().view({images, p.out_channels, pixels});
+  if (depth != pixels) {
+    at::Tensor padded = grad_out_h.new_zeros({images, p.out_channels, depth});
+    padded.narrow(2, 0, pixels).copy_(grad_out_h);
+    grad_out_h = padded;
+  }
   // Each group's weight [C_out/G, taps * C_in/G] as panels of kPanelWidth columns, packed over all its rows.
   const at::Tensor weight_c = weight_matrix.contiguous();
   const int64_t panels = ceil_div(per_group, kPanelWidth), slot = even(out_per_group) * packed_width(kPanelWidth);
-  at::Tensor weight_packed = grad_output.new_empty({p.groups * panels * slot}, grad_output.options().dtype(dtype));
+  at::Tensor weight_packed = weight_c.new_empty({p.groups * panels * slot});
   at::parallel_for(0, p.groups * panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t / panels, n0 = t % panels * kPanelWidth;
       pack_weight_panel(gemm, out_per_group, std::min(kPanelWidth, per_group - n0),
-                        weight_c.const_data_ptr<float>() + g * out_per_group * per_group + n0, per_group,
+                        weight_c.const_data_ptr<half_t>() + g * out_per_group * per_group + n0, per_group,
                         weight_packed.mutable_data_ptr<half_t>() + t * slot);
     }
   });
@@ -227,26 +215,22 @@ void half_backward_gemms_in_tasks(const ConvParams& p, const HalfGemm& gemm, con
   });
 
   // columns[n, pixel, g, :] = grad_output[n, group g's channels, pixel] x weight[g]: each task a tile of pixels of
-  // one image, its grad_output turned to [pixel, C_out] in float32, then each group's rounded to
-  // [pixel, even(C_out/G)], a zero past an odd count.
+  // one image, each group's grad_output turned to [pixel, even(C_out/G)], a zero past an odd count.
   const int64_t tiles = ceil_div(pixels, kPixelTile), group_depth = even(out_per_group);
   at::parallel_for(0, images * tiles, 1, [&](int64_t begin, int64_t end) {
-    const int64_t turned_bytes = kPixelTile * p.out_channels * int64_t(sizeof(float));
-    const int64_t rounded_bytes = kPixelTile * group_depth * int64_t(sizeof(half_t));
-    float* turned = static_cast<float*>(scratch_bytes(ScratchSlot::tile, turned_bytes + rounded_bytes));
-    half_t* rounded = reinterpret_cast<half_t*>(turned + kPixelTile * p.out_channels);
+    half_t* turned = static_cast<half_t*>(
+        scratch_bytes(ScratchSlot::tile, kPixelTile * group_depth * int64_t(sizeof(half_t))));  // [pixel, C_out/G]
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / tiles, first_pixel = task % tiles * kPixelTile;
       const int64_t len = std::min(kPixelTile, pixels - first_pixel);
-      transpose(grad_out_c.const_data_ptr<float>() + n * p.out_channels * pixels + first_pixel, p.out_channels,
-                len, pixels, turned, p.out_channels);
       for (int64_t g = 0; g < p.groups; ++g) {
-        for (int64_t i = 0; i < len; ++i) {
-          narrow(turned + i * p.out_channels + g * out_per_group, out_per_group, rounded + i * group_depth);
-          if (group_depth > out_per_group) rounded[i * group_depth + out_per_group] = half_t(0.f);
+        transpose(grad_out + (n * p.out_channels + g * out_per_group) * depth + first_pixel, out_per_group, len,
+                  depth, turned, group_depth);
+        if (group_depth > out_per_group) {
+          for (int64_t i = 0; i < len; ++i) turned[i * group_depth + out_per_group] = half_t(0.f);
         }
         for (int64_t n0 = 0; n0 < per_group; n0 += kPanelWidth) {
-          half_gemm_on_this_thread(gemm, len, std::min(kPanelWidth, per_group - n0), group_depth, rounded,
+          half_gemm_on_this_thread(gemm, len, std::min(kPanelWidth, per_group - n0), group_depth, turned,
                                    group_depth, weight + (g * panels + n0 / kPanelWidth) * slot,
                                    cols + (n * pixels + first_pixel) * row + g * per_group + n0, row,
                                    /*accumulate=*/false);
@@ -280,9 +264,9 @@ bool half_backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int
                          at::Tensor& grad_weights) {
   const at::ScalarType dtype = c10::CppTypeToScalarType<half_t>::value;
   const HalfGemm gemm = half_gemm_for(dtype);
-  if (grad_output.scalar_type() != at::kFloat || grad_weights.scalar_type() != at::kFloat ||
-      columns.scalar_type() != dtype || grad_columns.scalar_type() != at::kFloat || !half_grad_output_tile_fits(p) ||
-      !gemm.uses_native_path()) {
+  if (grad_output.scalar_type() != dtype || weight_matrix.scalar_type() != dtype ||
+      grad_weights.scalar_type() != at::kFloat || columns.scalar_type() != dtype ||
+      grad_columns.scalar_type() != at::kFloat || !half_grad_output_tile_fits(p) || !gemm.uses_native_path()) {
     return false;
   }
   half_backward_gemms_in_tasks<half_t>(p, gemm, grad_output, first, images, weight_matrix, columns, grad_columns,

@@ -47,11 +47,11 @@ bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t 
                     const at::Tensor& weight_matrix, const at::Tensor& columns, at::Tensor& grad_columns,
                     at::Tensor& grad_weights);
 
-// The same GEMMs for a bfloat16 or float16 (half_t) layer whose backward the driver runs in float32 on widened
-// tensors, on half GEMMs where the CPU has them (half_gemm.h): the columns come filled in half_t (each rounded
-// once, as in the native forward), grad_output and the weight come back to it exactly (they were in it), every sum
-// stays in float32, and the columns' gradient goes to grad_columns, float32. Returns false, doing nothing, where
-// there is no native half GEMM or half_backward_gemms_fit says no.
+// The same GEMMs for a bfloat16 or float16 (half_t) layer, on half GEMMs where the CPU has them (half_gemm.h):
+// the columns come filled in half_t (each rounded once, as in the native forward), grad_output and the weight are
+// the layer's, in half_t, every sum stays in float32, and the columns' gradient goes to grad_columns, float32.
+// Returns false, doing nothing, where there is no native half GEMM, half_backward_gemms_fit says no, or a tensor
+// is not in those dtypes.
 template <typename half_t>
 bool half_backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
                          const at::Tensor& weight_matrix, const at::Tensor& columns, at::Tensor& grad_columns,

@@ -3,7 +3,8 @@
 // (tiled_forward.cpp), and float32 backward GEMMs run on the batch-reduce GEMM (brgemm.cpp); depthwise layers
 // take their own path without GEMMs (depthwise.cpp). Where the CPU multiplies the half types natively
 // (half_gemm.h), their GEMMs run in them: the forward tiled, or as oneDNN's half convolution over the driver's
-// columns, and the backward's on half GEMMs (brgemm.h); everything else of theirs runs through float32.
+// columns, and the backward's on half GEMMs (brgemm.h), the passes reading their input as it is and summing in
+// float32; elsewhere they run through float32.
 #include "../entry_points.h"
 
 #include <ATen/Dispatch.h>
@@ -28,17 +29,11 @@ SamplingInputs<scalar_t, image_t> pointers(const SamplingTensors& t) {
           t.mask.defined() ? t.mask.const_data_ptr<scalar_t>() : nullptr};
 }
 
-// A half-type layer's columns (its offsets and mask widened to float32; its input in the half type, or in the
-// backward widened too) in the half type of the column buffer: sampled in float32 and rounded once as they are
-// written, for the half GEMM.
+// A half-type layer's columns (its offsets and mask widened to float32, its input in the half type) in the half
+// type of the column buffer: sampled in float32 and rounded once as they are written, for the half GEMM.
 template <typename half_t>
 void fill_half(const ConvParams& p, const SamplingTensors& t, int64_t first, int64_t images, at::Tensor& columns) {
-  half_t* out = columns.mutable_data_ptr<half_t>();
-  if (t.input.scalar_type() == at::kFloat) {
-    fill_columns(p, pointers<float>(t), first, images, out);
-  } else {
-    fill_columns(p, pointers<float, half_t>(t), first, images, out);
-  }
+  fill_columns(p, pointers<float, half_t>(t), first, images, columns.mutable_data_ptr<half_t>());
 }
 
 // The columns in the input's dtype, or in the half type of the column buffer (fill_half).
@@ -57,19 +52,38 @@ void fill(const ConvParams& p, const SamplingTensors& t, int64_t first, int64_t 
   }
 }
 
-void coordinate_grads(const ConvParams& p, const SamplingTensors& t, int64_t first, int64_t images,
-                      const at::Tensor& grad_columns, at::Tensor& grad_offset, at::Tensor& grad_mask) {
-  AT_DISPATCH_FLOATING_TYPES(t.input.scalar_type(), "deform_conv2d_backward_cpu", [&] {
-    coordinate_and_mask_grads<scalar_t>(p, pointers<scalar_t>(t), first, images, grad_columns.const_data_ptr<scalar_t>(),
-                                        grad_offset.mutable_data_ptr<scalar_t>(),
-                                        grad_mask.defined() ? grad_mask.mutable_data_ptr<scalar_t>() : nullptr);
-  });
+template <typename scalar_t, typename image_t = scalar_t>
+void coordinate_grads_from(const ConvParams& p, const SamplingTensors& t, int64_t first, int64_t images,
+                           const at::Tensor& grad_columns, at::Tensor& grad_offset, at::Tensor& grad_mask) {
+  coordinate_and_mask_grads(p, pointers<scalar_t, image_t>(t), first, images, grad_columns.const_data_ptr<scalar_t>(),
+                            grad_offset.mutable_data_ptr<scalar_t>(),
+                            grad_mask.defined() ? grad_mask.mutable_data_ptr<scalar_t>() : nullptr);
 }
 
+// The coordinates' gradient, in the dtype of the columns' gradient: the input's, or float32 for a half-type input,
+// whose image the pass reads as it is.
+void coordinate_grads(const ConvParams& p, const SamplingTensors& t, int64_t first, int64_t images,
+                      const at::Tensor& grad_columns, at::Tensor& grad_offset, at::Tensor& grad_mask) {
+  switch (t.input.scalar_type()) {
+    case at::kBFloat16:
+      return coordinate_grads_from<float, c10::BFloat16>(p, t, first, images, grad_columns, grad_offset, grad_mask);
+    case at::kHalf:
+      return coordinate_grads_from<float, c10::Half>(p, t, first, images, grad_columns, grad_offset, grad_mask);
+    default:
+      AT_DISPATCH_FLOATING_TYPES(t.input.scalar_type(), "deform_conv2d_backward_cpu", [&] {
+        coordinate_grads_from<scalar_t>(p, t, first, images, grad_columns, grad_offset, grad_mask);
+      });
+  }
+}
+
+// The input's gradient, in the dtype of the columns' gradient: the pass reads the offsets and the mask, not the
+// input.
 void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, int64_t images,
                 const at::Tensor& grad_columns, at::Tensor& grad_input) {
-  AT_DISPATCH_FLOATING_TYPES(t.input.scalar_type(), "deform_conv2d_backward_cpu", [&] {
-    accumulate_input_grad<scalar_t>(p, pointers<scalar_t>(t), first, images, grad_columns.const_data_ptr<scalar_t>(),
+  AT_DISPATCH_FLOATING_TYPES(grad_columns.scalar_type(), "deform_conv2d_backward_cpu", [&] {
+    const SamplingInputs<scalar_t> in{nullptr, t.offset.const_data_ptr<scalar_t>(),
+                                      t.mask.defined() ? t.mask.const_data_ptr<scalar_t>() : nullptr};
+    accumulate_input_grad<scalar_t>(p, in, first, images, grad_columns.const_data_ptr<scalar_t>(),
                                     grad_input.mutable_data_ptr<scalar_t>());
   });
 }
@@ -79,8 +93,9 @@ void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, in
 // chunk stretched to an image per thread stays within what it keeps.
 constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(8) << 20, /*gemm_as_convolution=*/true,
                                  /*backward_gemms=*/backward_gemms, scratch, kMaxKeptScratchBytes};
-// A half-type layer's backward where the CPU multiplies its type natively: the passes in float32 on the widened
-// tensors, but the columns filled in the half type, for the GEMMs on the half type's (brgemm.h).
+// A half-type layer's backward where the CPU multiplies its type natively: the input, grad_output and the weight
+// read in the half type, the offsets and the mask widened to float32; the columns filled in the half type for the
+// GEMMs on the half type's (brgemm.h), their gradient and every sum in float32.
 constexpr SamplingPasses kBFloat16Passes{fill, coordinate_grads, input_grad, int64_t(8) << 20, true,
                                          half_backward_gemms<c10::BFloat16>, scratch, kMaxKeptScratchBytes,
                                          /*backward_column_dtype=*/at::kBFloat16};
@@ -93,9 +108,10 @@ bool native_half_layer(const ConvParams& p, const at::Tensor& input) {
   return !p.is_depthwise() && half_gemm_for(input.scalar_type()).uses_native_path();
 }
 
-// float16 and bfloat16 (e.g. under CPU autocast): the sampling in float32 on widened tensors -- the kernels
-// accumulate in fp32 anyway -- and each result rounded once to the input's dtype; where the CPU multiplies the
-// half type natively, the GEMMs in it (the columns rounded once to it), elsewhere in float32 too.
+// float16 and bfloat16 (e.g. under CPU autocast): where the CPU multiplies the half type natively, the GEMMs in
+// it (the columns sampled in float32 and rounded once to it; the input, grad_output and the weight read as they
+// are, the offsets and the mask widened); elsewhere everything in float32 on widened tensors. Every sum in float32,
+// each result rounded once to the input's dtype.
 bool is_half_type(const at::Tensor& t) {
   return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
 }
@@ -141,8 +157,8 @@ deform_conv2d_backward(
     const at::ScalarType dtype = input.scalar_type();
     if (native_half_layer(p, input) && half_backward_gemms_fit(p)) {
       const SamplingPasses& passes = dtype == at::kBFloat16 ? kBFloat16Passes : kFloat16Passes;
-      auto [gi, go, gw, gm, gb] = backward_with(passes, p, widened(grad_output), widened(input), widened(offset),
-                                                widened(weight), widened(mask), bias_defined);
+      auto [gi, go, gw, gm, gb] =
+          backward_with(passes, p, grad_output, input, widened(offset), weight, widened(mask), bias_defined);
       return {gi.to(dtype), go.to(dtype), gw.to(dtype), narrowed(gm, dtype), narrowed(gb, dtype)};
     }
     auto [gi, go, gw, gm, gb] = deform_conv2d_backward(widened(grad_output), widened(input), widened(offset), widened(weight),

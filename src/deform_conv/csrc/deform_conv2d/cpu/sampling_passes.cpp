@@ -167,33 +167,34 @@ void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, image_t>
 }
 DC_CPU_KERNEL(fill_rows)
 
-template <typename scalar_t>
-void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
+template <typename scalar_t, typename image_t>
+void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, image_t>& in,
                           int64_t first_image, int64_t row_begin, int64_t row_end,
                           const scalar_t* grad_columns, scalar_t* grad_offset,
                           scalar_t* grad_mask) {
   const int64_t channels = p.in_channels, pixels = p.out_pixels(), per_group = p.in_channels_per_group();
   const int64_t row_size = p.taps() * channels;
   const bool masked = in.mask != nullptr;
-  const scalar_t* zeros = zero_row<scalar_t>(channels);
-  BlockWalk<scalar_t> walk(p, in);
+  const image_t* zeros = zero_row<image_t>(channels);
+  BlockWalk<scalar_t> walk(p, SamplingInputs<scalar_t>{nullptr, in.offset, in.mask});
   for (int64_t row = row_begin; row < row_end;) {
     const int64_t n_local = row / pixels, first = row % pixels, n = first_image + n_local;
     const int64_t len = std::min({kPointBlock, row_end - row, pixels - first});
-    const scalar_t* image = in.input + n * p.height * p.width * channels;
+    const image_t* image = in.input + n * p.height * p.width * channels;
     walk.start_block(first, len);
     const scalar_t* block_grad = grad_columns + row * row_size;
     for (int64_t group = 0; group < p.offset_groups; ++group) {
       walk.compute_group(n, group, first, len, corner_source(image, channels, zeros));
       const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
-      with_piece_length<kFixedWidths<scalar_t>>(pieces_begin, pieces_end, [&](const auto length_of) {
+      constexpr bool fixed_widths = kFixedWidths<scalar_t> && kFixedWidths<image_t>;
+      with_piece_length<fixed_widths>(pieces_begin, pieces_end, [&](const auto length_of) {
         for (int64_t b = 0; b < len; ++b) {
           for (int64_t tap = 0; tap < p.taps(); ++tap) {
             const PointBlock<scalar_t>& points = walk.taps[tap];
             // d loss / d value, d y and d x, before the mask's factor; the corners outside the image add nothing.
             scalar_t grad_value = sum_start<scalar_t>(points.nan[b]), grad_y = grad_value, grad_x = grad_value;
             if (points.inside[b]) {
-              const Corners<scalar_t> corners = points.template corners<scalar_t>(b);
+              const Corners<scalar_t, image_t> corners = points.template corners<image_t>(b);
               const scalar_t ly = points.ly[b], lx = points.lx[b], hy = scalar_t(1) - ly, hx = scalar_t(1) - lx;
               const scalar_t weight_dy[4] = {-hx, -lx, hx, lx}, weight_dx[4] = {-hy, hy, -ly, ly};
               const scalar_t* grad = block_grad + b * row_size + tap * per_group;
@@ -300,8 +301,8 @@ void fill_column_rows(const ConvParams& p, const SamplingInputs<scalar_t, image_
   fill_rows<scalar_t>(p, in, first_image, row_begin, row_end, columns);
 }
 
-template <typename scalar_t>
-void coordinate_and_mask_grads(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
+template <typename scalar_t, typename image_t>
+void coordinate_and_mask_grads(const ConvParams& p, const SamplingInputs<scalar_t, image_t>& in, int64_t first_image,
                                int64_t images, const scalar_t* grad_columns, scalar_t* grad_offset,
                                scalar_t* grad_mask) {
   at::parallel_for(0, images * p.out_pixels(), kRowsPerTask, [&](int64_t begin, int64_t end) {
@@ -326,8 +327,8 @@ void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& 
 #define DEFORM_CONV_INSTANTIATE(T)                                                                              \
   template void fill_columns<T, T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t, T*);         \
   template void fill_column_rows<T, T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t, int64_t, T*); \
-  template void coordinate_and_mask_grads<T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t,    \
-                                             const T*, T*, T*);                                                \
+  template void coordinate_and_mask_grads<T, T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t, \
+                                                const T*, T*, T*);                                             \
   template void accumulate_input_grad<T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t,        \
                                          const T*, T*);
 DEFORM_CONV_INSTANTIATE(float)
@@ -337,11 +338,12 @@ template void fill_columns<float, c10::BFloat16, c10::BFloat16>(
     const ConvParams&, const SamplingInputs<float, c10::BFloat16>&, int64_t, int64_t, c10::BFloat16*);
 template void fill_columns<float, c10::Half, c10::Half>(const ConvParams&, const SamplingInputs<float, c10::Half>&,
                                                        int64_t, int64_t, c10::Half*);
-// The half types' backward: their columns from the widened input.
-template void fill_columns<float, c10::BFloat16, float>(const ConvParams&, const SamplingInputs<float>&, int64_t,
-                                                       int64_t, c10::BFloat16*);
-template void fill_columns<float, c10::Half, float>(const ConvParams&, const SamplingInputs<float>&, int64_t,
-                                                   int64_t, c10::Half*);
+// The half types' backward: the coordinates' gradient from their image, in float.
+template void coordinate_and_mask_grads<float, c10::BFloat16>(const ConvParams&,
+                                                              const SamplingInputs<float, c10::BFloat16>&, int64_t,
+                                                              int64_t, const float*, float*, float*);
+template void coordinate_and_mask_grads<float, c10::Half>(const ConvParams&, const SamplingInputs<float, c10::Half>&,
+                                                          int64_t, int64_t, const float*, float*, float*);
 template void fill_column_rows<float, c10::BFloat16, c10::BFloat16>(
     const ConvParams&, const SamplingInputs<float, c10::BFloat16>&, int64_t, int64_t, int64_t, c10::BFloat16*);
 template void fill_column_rows<float, c10::Half, c10::Half>(const ConvParams&, const SamplingInputs<float, c10::Half>&,

@@ -39,15 +39,17 @@ void fill_column_rows(const ConvParams& p, const SamplingInputs<scalar_t, image_
                       int64_t row_begin, int64_t row_end, column_t* columns);
 
 // From the columns' gradient: d loss / d offset and d loss / d mask of the chunk's images
-// (grad_mask is nullptr without a mask). Each sampling point sums over its offset group's channels.
-template <typename scalar_t>
-void coordinate_and_mask_grads(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
+// (grad_mask is nullptr without a mask). Each sampling point sums over its offset group's channels. image_t as
+// SamplingInputs says (the half types' backward: their image read as it is, the sums in float).
+template <typename scalar_t, typename image_t = scalar_t>
+void coordinate_and_mask_grads(const ConvParams& p, const SamplingInputs<scalar_t, image_t>& in, int64_t first_image,
                                int64_t images, const scalar_t* grad_columns, scalar_t* grad_offset,
                                scalar_t* grad_mask);
 
 // From the columns' gradient: adds d loss / d input of the chunk's images into grad_input, channels-last
 // [batch, height, width, in_channels]. Race-free without atomics and deterministic: each task owns one
-// image and one block of channels, and visits the sampling points in a fixed order.
+// image and one block of channels, and visits the sampling points in a fixed order. It reads the offsets and the
+// mask, not the input (in.input may be nullptr).
 template <typename scalar_t>
 void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
                            int64_t images, const scalar_t* grad_columns, scalar_t* grad_input);

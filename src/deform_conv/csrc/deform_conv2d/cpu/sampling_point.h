@@ -120,10 +120,10 @@ inline void interpolate_corners(const Corners<scalar_t, image_t>& k, int64_t cha
 
 // dot[q] = sum over c < len of grad[c] * pixel_q[channel + c], for the four corners (neighbour_dots' sums), in
 // cpu_lanes.h's order: the same bits on every instruction set.
-template <typename scalar_t>
-inline void corner_dots(const Corners<scalar_t>& k, int64_t channel, int64_t len, const scalar_t* __restrict grad,
-                        scalar_t dot[4]) {
-  const scalar_t* pixels[4] = {k.pixel[0] + channel, k.pixel[1] + channel, k.pixel[2] + channel,
+template <typename scalar_t, typename image_t>
+inline void corner_dots(const Corners<scalar_t, image_t>& k, int64_t channel, int64_t len,
+                        const scalar_t* __restrict grad, scalar_t dot[4]) {
+  const image_t* pixels[4] = {k.pixel[0] + channel, k.pixel[1] + channel, k.pixel[2] + channel,
                                k.pixel[3] + channel};
   lane_dots<4>(grad, pixels, len, dot);
 }
