@@ -392,11 +392,13 @@ def assert_rounded_as_torch(half, got, unrounded):
 
 
 @HALF_TYPES
-def test_native_columns_are_rounded_as_torch_rounds(half):
-    """Each column value is sampled in float32 and rounded once to the half type as it is written (16 channels at
-    a time in registers, the rest one by one): exactly torch's rounding of the same float32 value (rounding_case).
-    40 channels: two blocks of 16 and a rest of 8. The tiled forward."""
-    (x, offset, weight, mask), unrounded = rounding_case(half, 40)
+@pytest.mark.parametrize("channels", [44, 12, 8])
+def test_native_columns_are_rounded_as_torch_rounds(half, channels):
+    """Each column value is sampled in float32 and rounded once to the half type as it is written (16, 8 or 4
+    channels at a time in registers, the rest one by one): exactly torch's rounding of the same float32 value
+    (rounding_case). 44 channels: two blocks of 16, one of 8 and one of 4; 12 and 8: the loops of those widths
+    fixed at compile time. The tiled forward."""
+    (x, offset, weight, mask), unrounded = rounding_case(half, channels)
     with half_gemm_path("portable"):
         got = ours(x, offset, weight, mask=mask)
     assert_rounded_as_torch(half, got, unrounded)

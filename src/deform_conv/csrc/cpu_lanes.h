@@ -1,5 +1,6 @@
 // The CPU kernels' loops over channels in vector registers: sums in 16 fixed lanes (LaneSums, lane_dots), exact
-// widening of 16 float16/bfloat16 values and rounding of 16 floats to them (load_lanes, store_lanes), elementwise
+// widening of float16/bfloat16 values and rounding of floats to them, 16, 8 or 4 at a time (load_lanes, store_lanes,
+// widen_lanes, round_lanes), elementwise
 // loops to the last channel (for_float_blocks), 16x16 blocks turned over (transpose_lanes, transpose_block), and
 // the channel counts of common layers as constants (with_common_width).
 //
@@ -70,53 +71,127 @@ typedef float FloatQuarterLanes __attribute__((vector_size(kSumLanes / 4 * sizeo
 typedef uint32_t BitLanes __attribute__((vector_size(kSumLanes * sizeof(uint32_t))));
 typedef uint16_t HalfBitLanes __attribute__((vector_size(kSumLanes * sizeof(uint16_t))));
 
-// 16 elements from p, widened to float, exactly. (Vectors go by reference: passed by value they would change the
-// calling convention between the instruction sets a portable library is compiled for.)
-inline void load_lanes(const float* p, FloatLanes& lanes) { std::memcpy(&lanes, p, sizeof(lanes)); }
+// The bit patterns of a float vector V of 16, 8 or 4 lanes: Bits as 32-bit lanes, Half as 16-bit ones.
+template <typename V>
+struct LaneBits;
+template <>
+struct LaneBits<FloatLanes> {
+  using Bits = BitLanes;
+  using Half = HalfBitLanes;
+};
+template <>
+struct LaneBits<FloatHalfLanes> {
+  typedef uint32_t Bits __attribute__((vector_size(kSumLanes / 2 * sizeof(uint32_t))));
+  typedef uint16_t Half __attribute__((vector_size(kSumLanes / 2 * sizeof(uint16_t))));
+};
+template <>
+struct LaneBits<FloatQuarterLanes> {
+  typedef uint32_t Bits __attribute__((vector_size(kSumLanes / 4 * sizeof(uint32_t))));
+  typedef uint16_t Half __attribute__((vector_size(kSumLanes / 4 * sizeof(uint16_t))));
+};
 
-// The 16-bit patterns at p, each shifted into the upper half of a 32-bit lane.
-inline void upper_halves(const void* p, BitLanes& bits) {
-  HalfBitLanes half;
+// The 16-bit patterns at p, as many as V has lanes, each shifted into the upper half of a 32-bit lane.
+template <typename V>
+inline typename LaneBits<V>::Bits upper_halves(const void* p) {
+  typename LaneBits<V>::Half half;
   std::memcpy(&half, p, sizeof(half));
-  bits = __builtin_convertvector(half, BitLanes) << 16;
+  return __builtin_convertvector(half, typename LaneBits<V>::Bits) << 16;
 }
 
-// bfloat16 is the upper half of a float32.
-DC_AVX512_ASM inline void load_lanes(const c10::BFloat16* p, FloatLanes& lanes) {
-  BitLanes bits;
-#if defined(DC_CPU_AVX512_BF16)
-  HalfBitLanes half;
-  std::memcpy(&half, p, sizeof(half));
-  asm("vpmovzxwd %1, %0" : "=v"(bits) : "v"(half));
-  bits <<= 16;
-#else
-  upper_halves(p, bits);
-#endif
+// The half-type values at p, as many as V has lanes, widened to float exactly. bfloat16 is the upper half of a
+// float32. float16: c10's portable conversion (fp16_ieee_to_fp32_value, exact for every pattern: subnormals,
+// infinities, NaNs) on all lanes at once; c10's own is written for one value, and compiled without F16C (the
+// library's flags do not name it) the loops that call it stay scalar: a tenth of float32's speed.
+template <typename V>
+inline void widen_lanes(const c10::BFloat16* p, V& lanes) {
+  const typename LaneBits<V>::Bits bits = upper_halves<V>(p);
   std::memcpy(&lanes, &bits, sizeof(lanes));
 }
 
-// float16: c10's portable conversion (fp16_ieee_to_fp32_value, exact for every pattern: subnormals, infinities,
-// NaNs), on 16 lanes at once. c10's own is written for one value, and compiled without F16C (the library's flags
-// do not name it) the loops that call it stay scalar: a tenth of float32's speed.
-inline void load_lanes(const c10::Half* p, FloatLanes& lanes) {
-  BitLanes w;
-  upper_halves(p, w);
-  const BitLanes sign = w & 0x80000000u;
-  const BitLanes two_w = w + w;
-  FloatLanes normalized, denormalized;
-  const BitLanes normalized_bits = (two_w >> 4) + (0xE0u << 23);
-  const BitLanes denormalized_bits = (two_w >> 17) | (126u << 23);
+template <typename V>
+inline void widen_lanes(const c10::Half* p, V& lanes) {
+  using Bits = typename LaneBits<V>::Bits;
+  const Bits w = upper_halves<V>(p);
+  const Bits sign = w & 0x80000000u;
+  const Bits two_w = w + w;
+  V normalized, denormalized;
+  const Bits normalized_bits = (two_w >> 4) + (0xE0u << 23);
+  const Bits denormalized_bits = (two_w >> 17) | (126u << 23);
   std::memcpy(&normalized, &normalized_bits, sizeof(normalized));
   std::memcpy(&denormalized, &denormalized_bits, sizeof(denormalized));
   normalized *= 0x1.0p-112f;
   denormalized -= 0.5f;
-  BitLanes normalized_out, denormalized_out;
+  Bits normalized_out, denormalized_out;
   std::memcpy(&normalized_out, &normalized, sizeof(normalized_out));
   std::memcpy(&denormalized_out, &denormalized, sizeof(denormalized_out));
-  const BitLanes is_denormalized = (BitLanes)(two_w < (1u << 27));  // all ones where true
-  const BitLanes bits = sign | (denormalized_out & is_denormalized) | (normalized_out & ~is_denormalized);
+  const Bits is_denormalized = (Bits)(two_w < (1u << 27));  // all ones where true
+  const Bits bits = sign | (denormalized_out & is_denormalized) | (normalized_out & ~is_denormalized);
   std::memcpy(&lanes, &bits, sizeof(lanes));
 }
+
+// The lanes rounded to bfloat16 at p: to nearest, ties to even, a NaN to 0x7FC0 (c10::BFloat16's rule; torch's
+// vectorised .to() gives the same values, a NaN as another NaN's bits), on the bits.
+template <typename V>
+inline void round_lanes(const V& lanes, c10::BFloat16* p) {
+  using Bits = typename LaneBits<V>::Bits;
+  Bits bits;
+  std::memcpy(&bits, &lanes, sizeof(bits));
+  const Bits is_nan = (Bits)((bits & 0x7fffffffu) > 0x7f800000u);
+  const Bits rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const auto out = __builtin_convertvector((rounded & ~is_nan) | (0x7fc0u & is_nan), typename LaneBits<V>::Half);
+  std::memcpy(p, &out, sizeof(out));
+}
+
+// The lanes rounded to float16 at p: c10's portable conversion (fp16_ieee_from_fp32_value: to nearest, ties to
+// even, overflow to infinity, subnormals, NaN to 0x7E00 with the sign), on all lanes at once. The same values as
+// F16C's instruction, which keeps a NaN's payload instead.
+template <typename V>
+inline void round_lanes(const V& lanes, c10::Half* p) {
+  using Bits = typename LaneBits<V>::Bits;
+  Bits w;
+  std::memcpy(&w, &lanes, sizeof(w));
+  const Bits magnitude_bits = w & 0x7fffffffu;
+  V base;
+  std::memcpy(&base, &magnitude_bits, sizeof(base));
+  base = (base * 0x1.0p+112f) * 0x1.0p-110f;
+  const Bits shl1_w = w + w;
+  const Bits sign = w & 0x80000000u;
+  Bits bias = shl1_w & 0xff000000u;
+  const Bits small = (Bits)(bias < 0x71000000u);
+  bias = (bias & ~small) | (0x71000000u & small);
+  const Bits bias_bits = (bias >> 1) + 0x07800000u;
+  V bias_value;
+  std::memcpy(&bias_value, &bias_bits, sizeof(bias_value));
+  base = bias_value + base;
+  Bits bits;
+  std::memcpy(&bits, &base, sizeof(bits));
+  const Bits nonsign = ((bits >> 13) & 0x00007c00u) + (bits & 0x00000fffu);
+  const Bits is_nan = (Bits)(shl1_w > 0xff000000u);
+  const Bits half = (sign >> 16) | (nonsign & ~is_nan) | (0x7e00u & is_nan);
+  const auto out = __builtin_convertvector(half, typename LaneBits<V>::Half);
+  std::memcpy(p, &out, sizeof(out));
+}
+
+// 16 elements from p, widened to float, exactly. (Vectors go by reference: passed by value they would change the
+// calling convention between the instruction sets a portable library is compiled for.)
+inline void load_lanes(const float* p, FloatLanes& lanes) { std::memcpy(&lanes, p, sizeof(lanes)); }
+
+// bfloat16 (widen_lanes). A library compiled for AVX512-BF16 zero-extends with an instruction of its own: GCC's
+// vector conversion compiles to a slower sequence there.
+DC_AVX512_ASM inline void load_lanes(const c10::BFloat16* p, FloatLanes& lanes) {
+#if defined(DC_CPU_AVX512_BF16)
+  BitLanes bits;
+  HalfBitLanes half;
+  std::memcpy(&half, p, sizeof(half));
+  asm("vpmovzxwd %1, %0" : "=v"(bits) : "v"(half));
+  bits <<= 16;
+  std::memcpy(&lanes, &bits, sizeof(lanes));
+#else
+  widen_lanes(p, lanes);
+#endif
+}
+
+inline void load_lanes(const c10::Half* p, FloatLanes& lanes) { widen_lanes(p, lanes); }
 
 // Other types lane by lane.
 template <typename scalar_t>
@@ -150,59 +225,36 @@ DC_AVX512_ASM inline void load_first_lanes(const T* p, int count, FloatLanes& la
   }
 }
 
-// The lanes rounded to bfloat16 at p: to nearest, ties to even, a NaN to 0x7FC0 (c10::BFloat16's rule; torch's
-// vectorised .to() gives the same values, a NaN as another NaN's bits), on the bits. A library compiled for
-// AVX512-BF16 (cpu_kernels.h) rounds with its instruction, one for 16 lanes where the bits take ten: the same
-// rounding, but it reads a subnormal as zero and keeps a NaN's sign and payload, so 16 lanes with either (AVX512DQ's
-// vfpclassps finds them) take the bits' way. (Written as assembly: the compiler is not told of AVX512-BF16,
-// cpu_kernels.h says why.)
-DC_AVX512_ASM inline void store_lanes(const FloatLanes& lanes, c10::BFloat16* p) {
+// The lanes (16, 8 or 4) rounded to bfloat16 at p (round_lanes). A library compiled for AVX512-BF16
+// (cpu_kernels.h) rounds with its instruction, one where the bits take ten: the same rounding, but it reads a
+// subnormal as zero and keeps a NaN's sign and payload, so lanes with either (AVX512DQ's vfpclassps finds them)
+// take the bits' way. (Written as assembly: the compiler is not told of AVX512-BF16, cpu_kernels.h says why. 8 and
+// 4 lanes take AVX512VL's forms, which every CPU with AVX512-BF16 has.)
+template <typename V>
+DC_AVX512_ASM inline void round_bfloat16_lanes(const V& lanes, c10::BFloat16* p) {
 #if defined(DC_CPU_AVX512_BF16)
-  static_assert(sizeof(FloatLanes) == 64, "one zmm register");
-  bool plain;  // no lane is a NaN or subnormal (the zero flag kortestw sets)
+  bool plain;  // no lane is a NaN or subnormal (the zero flag kortestw sets; the mask's bits past the lanes are 0)
   asm("vfpclassps $0xa1, %1, %%k1\n\tkortestw %%k1, %%k1" : "=@ccz"(plain) : "v"(lanes) : "k1");
   if (__builtin_expect(plain, 1)) {
-    HalfBitLanes rounded;
-    asm("vcvtneps2bf16 %1, %0" : "=v"(rounded) : "v"(lanes));
-    std::memcpy(p, &rounded, sizeof(rounded));
+    if constexpr (sizeof(V) == sizeof(FloatLanes)) {
+      HalfBitLanes rounded;
+      asm("vcvtneps2bf16 %1, %0" : "=v"(rounded) : "v"(lanes));
+      std::memcpy(p, &rounded, sizeof(rounded));
+    } else {
+      typedef uint16_t EightHalves __attribute__((vector_size(8 * sizeof(uint16_t))));
+      EightHalves rounded;  // 4 lanes: the first four
+      asm("vcvtneps2bf16 %1, %0" : "=v"(rounded) : "v"(lanes));
+      std::memcpy(p, &rounded, sizeof(V) / 2);
+    }
     return;
   }
 #endif
-  BitLanes bits;
-  std::memcpy(&bits, &lanes, sizeof(bits));
-  const BitLanes is_nan = (BitLanes)((bits & 0x7fffffffu) > 0x7f800000u);
-  const BitLanes rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const HalfBitLanes out = __builtin_convertvector((rounded & ~is_nan) | (0x7fc0u & is_nan), HalfBitLanes);
-  std::memcpy(p, &out, sizeof(out));
+  round_lanes(lanes, p);
 }
 
-// The lanes rounded to float16 at p: c10's portable conversion (fp16_ieee_from_fp32_value: to nearest, ties to
-// even, overflow to infinity, subnormals, NaN to 0x7E00 with the sign), on 16 lanes at once. The same values as
-// F16C's instruction, which keeps a NaN's payload instead.
-inline void store_lanes(const FloatLanes& lanes, c10::Half* p) {
-  BitLanes w;
-  std::memcpy(&w, &lanes, sizeof(w));
-  const BitLanes magnitude_bits = w & 0x7fffffffu;
-  FloatLanes base;
-  std::memcpy(&base, &magnitude_bits, sizeof(base));
-  base = (base * 0x1.0p+112f) * 0x1.0p-110f;
-  const BitLanes shl1_w = w + w;
-  const BitLanes sign = w & 0x80000000u;
-  BitLanes bias = shl1_w & 0xff000000u;
-  const BitLanes small = (BitLanes)(bias < 0x71000000u);
-  bias = (bias & ~small) | (0x71000000u & small);
-  const BitLanes bias_bits = (bias >> 1) + 0x07800000u;
-  FloatLanes bias_value;
-  std::memcpy(&bias_value, &bias_bits, sizeof(bias_value));
-  base = bias_value + base;
-  BitLanes bits;
-  std::memcpy(&bits, &base, sizeof(bits));
-  const BitLanes nonsign = ((bits >> 13) & 0x00007c00u) + (bits & 0x00000fffu);
-  const BitLanes is_nan = (BitLanes)(shl1_w > 0xff000000u);
-  const BitLanes half = (sign >> 16) | (nonsign & ~is_nan) | (0x7e00u & is_nan);
-  const HalfBitLanes out = __builtin_convertvector(half, HalfBitLanes);
-  std::memcpy(p, &out, sizeof(out));
-}
+inline void store_lanes(const FloatLanes& lanes, c10::BFloat16* p) { round_bfloat16_lanes(lanes, p); }
+
+inline void store_lanes(const FloatLanes& lanes, c10::Half* p) { round_lanes(lanes, p); }
 
 // The 16 partial sums in one vector (lane_dots adds to them).
 template <>
@@ -247,6 +299,8 @@ inline void load_block(const T* p, V& v) {
     load_lanes(p, v);
   } else if constexpr (std::is_same_v<V, float>) {
     v = static_cast<float>(*p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
+    widen_lanes(p, v);  // 8 or 4 lanes in registers: layers whose channels come in pieces of 8 or 12
   } else {
     for (int j = 0; j < static_cast<int>(sizeof(V) / sizeof(float)); ++j) v[j] = static_cast<float>(p[j]);
   }
@@ -260,6 +314,10 @@ inline void store_block(const V& v, T* p) {
     store_lanes(v, p);
   } else if constexpr (std::is_same_v<V, float>) {
     *p = static_cast<T>(v);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    round_bfloat16_lanes(v, p);  // 8 or 4 lanes in registers
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    round_lanes(v, p);
   } else {
     for (int j = 0; j < static_cast<int>(sizeof(V) / sizeof(float)); ++j) p[j] = static_cast<T>(v[j]);
   }
@@ -362,10 +420,10 @@ inline void total_four(const FloatLanes& a, const FloatLanes& b, const FloatLane
 #endif
 
 // Calls f(width): width a std::integral_constant<int64_t, n> where n is 8, 12, 16, 32 or 64 (the channels of a group
-// in the common layers), else n itself. Inlined into f, the channel loops below over a width the compiler sees
-// compile without their dispatch over block widths and tails (for_float_blocks, lane_dots) and the spills it
-// brings, which cost as much as their arithmetic where a point has few channels.
-template <typename F>
+// in the common layers) and at most max_width, else n itself. Inlined into f, the channel loops below over a width
+// the compiler sees compile without their dispatch over block widths and tails (for_float_blocks, lane_dots) and
+// the spills it brings, which cost as much as their arithmetic where a point has few channels.
+template <int64_t max_width = 64, typename F>
 inline void with_common_width(int64_t n, const F& f) {
   switch (n) {
     case 8:
@@ -375,12 +433,13 @@ inline void with_common_width(int64_t n, const F& f) {
     case 16:
       return f(std::integral_constant<int64_t, 16>{});
     case 32:
-      return f(std::integral_constant<int64_t, 32>{});
+      if constexpr (max_width >= 32) return f(std::integral_constant<int64_t, 32>{});
+      break;
     case 64:
-      return f(std::integral_constant<int64_t, 64>{});
-    default:
-      return f(n);
+      if constexpr (max_width >= 64) return f(std::integral_constant<int64_t, 64>{});
+      break;
   }
+  return f(n);
 }
 
 // dst[d] += w * src[d], d < len: a weighted row added into a gradient.

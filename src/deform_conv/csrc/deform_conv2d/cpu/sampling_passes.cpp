@@ -36,16 +36,14 @@ struct OffsetGroupPieces {
   }
 };
 
-// Calls f(length_of), length_of(piece) a piece's length: where the offset group is one piece, with fixed_widths, a
-// constant of with_common_width (cpu_lanes.h) if it has 8, 12, 16, 32 or 64 channels. (A stride-2 layer of 16
-// channels in two offset groups filled its columns 1.45x faster so.) The passes fix the widths in float32 only:
-// float64 (exact checks) keeps one loop, as each width is another copy of the pass to compile, and the half types'
-// fill (their corners widened, their columns rounded in registers) ran 15% slower at a fixed 64 channels.
-template <bool fixed_widths, typename F>
+// Calls f(length_of), length_of(piece) a piece's length: where the offset group is one piece, a constant of
+// with_common_width (cpu_lanes.h) if it has 8, 12, 16, 32 or 64 channels, up to max_width (0: none). (A stride-2
+// layer of 16 channels in two offset groups filled its columns 1.45x faster so.)
+template <int64_t max_width, typename F>
 inline void with_piece_length(const ChannelPiece* begin, const ChannelPiece* end, const F& f) {
-  if constexpr (fixed_widths) {
+  if constexpr (max_width > 0) {
     if (end - begin == 1) {
-      with_common_width(begin->length, [&](const auto width) {
+      with_common_width<max_width>(begin->length, [&](const auto width) {
         f([width](const ChannelPiece&) { return static_cast<int64_t>(width); });
       });
       return;
@@ -54,9 +52,16 @@ inline void with_piece_length(const ChannelPiece* begin, const ChannelPiece* end
   f([](const ChannelPiece& piece) { return piece.length; });
 }
 
-// Whether the passes of scalar_t fix the channel widths (with_piece_length).
-template <typename scalar_t>
-constexpr bool kFixedWidths = std::is_same_v<scalar_t, float>;
+// The widths the passes fix (with_piece_length) where they compute in scalar_t on an image of image_t and write
+// column_t: every width in float32; in float64 (exact checks) none, as each width is another copy of the pass to
+// compile; where the fill reads or writes a half type (its corners widened, its columns rounded in registers), up
+// to 16 channels: fixed at 64 the half types' fill ran 15% slower (S1 bfloat16's forward), fixed at 8 and 16 faster
+// (bfloat16 forwards of G6 1.5x, of G4 1.2x).
+template <typename scalar_t, typename image_t = scalar_t, typename column_t = scalar_t>
+constexpr int64_t kFixedWidthsUpTo =
+    !std::is_same_v<scalar_t, float> ? 0
+    : std::is_same_v<image_t, float> && std::is_same_v<column_t, float> ? 64
+                                                                         : 16;
 
 // `channels` zeros, kept per thread: the corners of a point that lie outside the image read them with weight 0,
 // so that every point interpolates four corners in one pass, and a non-finite pixel outside the sum stays out.
@@ -148,8 +153,7 @@ void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, image_t>
     for (int64_t group = 0; group < p.offset_groups; ++group) {
       walk.compute_group(n, group, first, len, corner_source(image, channels, zeros));
       const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
-      constexpr bool fixed_widths = kFixedWidths<scalar_t> && kFixedWidths<image_t> && kFixedWidths<column_t>;
-      with_piece_length<fixed_widths>(pieces_begin, pieces_end, [&](const auto length_of) {
+      with_piece_length<kFixedWidthsUpTo<scalar_t, image_t, column_t>>(pieces_begin, pieces_end, [&](const auto length_of) {
         for (int64_t b = 0; b < len; ++b) {
           for (int64_t tap = 0; tap < p.taps(); ++tap) {
             const Corners<scalar_t, image_t> corners = walk.taps[tap].template corners<image_t>(b);
@@ -186,8 +190,9 @@ void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, im
     for (int64_t group = 0; group < p.offset_groups; ++group) {
       walk.compute_group(n, group, first, len, corner_source(image, channels, zeros));
       const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
-      constexpr bool fixed_widths = kFixedWidths<scalar_t> && kFixedWidths<image_t>;
-      with_piece_length<fixed_widths>(pieces_begin, pieces_end, [&](const auto length_of) {
+      // On a half-type image, one loop: fixed widths made its backward no faster measurably (G4, G6).
+      constexpr int64_t fixed_up_to = std::is_same_v<image_t, scalar_t> ? kFixedWidthsUpTo<scalar_t> : 0;
+      with_piece_length<fixed_up_to>(pieces_begin, pieces_end, [&](const auto length_of) {
         for (int64_t b = 0; b < len; ++b) {
           for (int64_t tap = 0; tap < p.taps(); ++tap) {
             const PointBlock<scalar_t>& points = walk.taps[tap];
@@ -271,7 +276,7 @@ void input_grad_tasks_body(const ConvParams& p, const SamplingInputs<scalar_t>& 
           }
         };
         if (blocks == 1) {
-          with_piece_length<kFixedWidths<scalar_t>>(pieces_begin, pieces_end, [&](const auto length_of) {
+          with_piece_length<kFixedWidthsUpTo<scalar_t>>(pieces_begin, pieces_end, [&](const auto length_of) {
             add_points([&](const ChannelPiece& piece, int64_t) { return length_of(piece); });
           });
         } else {
