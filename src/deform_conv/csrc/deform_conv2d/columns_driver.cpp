@@ -302,9 +302,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
 
   std::optional<at::Tensor> grad_mask_result;
   if (grad_mask.defined()) grad_mask_result = grad_mask;
-  return {grad_input.permute({0, 3, 1, 2}).to(input.scalar_type(), /*non_blocking=*/false, /*copy=*/false,
-                                               at::MemoryFormat::Contiguous),
-          grad_offset, weight_from_1x1(p, grad_weights.to(weight.scalar_type())), grad_mask_result, grad_bias};
+  at::Tensor grad_input_result =
+      passes.channels_first != nullptr ? passes.channels_first(grad_input, input.scalar_type()) : at::Tensor();
+  if (!grad_input_result.defined()) {
+    grad_input_result = grad_input.permute({0, 3, 1, 2}).to(input.scalar_type(), /*non_blocking=*/false,
+                                                            /*copy=*/false, at::MemoryFormat::Contiguous);
+  }
+  return {grad_input_result, grad_offset, weight_from_1x1(p, grad_weights.to(weight.scalar_type())), grad_mask_result,
+          grad_bias};
 }
 
 }  // namespace deform_conv

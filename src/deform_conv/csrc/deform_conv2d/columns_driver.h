@@ -60,6 +60,9 @@ struct SamplingPasses {
   // (the input's): fill_columns writes the backward's columns in it (each rounded once, for backward_gemms), and
   // their gradient goes to a float32 buffer, which the other two passes read, their own sums in float32.
   at::ScalarType backward_column_dtype = at::ScalarType::Undefined;
+  // The input's gradient, accumulated channels-last [B, H, W, C_in], turned to the result's [B, C_in, H, W] in
+  // `dtype`, or an undefined tensor to leave it to ATen's copy; nullptr: always ATen's.
+  at::Tensor (*channels_first)(const at::Tensor& channels_last, at::ScalarType dtype) = nullptr;
 };
 
 // The tensors the passes read, in the layout they expect: input channels-last [B, H, W, C_in] in memory (a
