@@ -157,13 +157,24 @@ void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const sou
                        half_t* packed) {
   TORCH_CHECK(width <= kPanelWidth, "deform_conv: pack_weight_panel(width=", width, ")");
   const int64_t ld = packed_width(width);
-  std::fill(packed, packed + even(k) * ld, half_t(0.f));
+  // Where ATen packs blocks of an even number of half_t rows as wide as the packed panel, it reads them where they
+  // lie and writes every element of the panel; otherwise the panel starts from zeros.
+  const bool packs_in_place = std::is_same_v<source_t, half_t> && gemm.layout == HalfGemm::Layout::aten_packed &&
+                              k % 2 == 0 && width == ld;
+  if (!packs_in_place) std::fill(packed, packed + even(k) * ld, half_t(0.f));
   // Each block of rows first in half_t, [even(rows), width], the row past an odd k zero: what ATen's packing
   // reads, and the source of the layouts written here.
   thread_local std::vector<half_t> staged;
   staged.resize(kDepthBlock * kPanelWidth);
   for (int64_t k0 = 0; k0 < k; k0 += kDepthBlock) {
     const int64_t rows = std::min(kDepthBlock, k - k0), padded = even(rows);
+    if constexpr (std::is_same_v<source_t, half_t>) {
+      if (packs_in_place) {
+        at::native::cpublas::pack(rows, width, ld_b, ld, c10::CppTypeToScalarType<half_t>::value,
+                                  c10::CppTypeToScalarType<half_t>::value, b + k0 * ld_b, packed + k0 * ld);
+        continue;
+      }
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const source_t* from = b + (k0 + r) * ld_b;
       if constexpr (std::is_same_v<source_t, float>) {
