@@ -58,6 +58,13 @@ at::Tensor column_buffer(const SamplingPasses& passes, const ConvParams& p, int6
 
 const std::vector<int64_t> kOnes{1, 1}, kZeros{0, 0};
 
+// out [B, C, H, W] = channels_last [B, H, W, C] turned over (SamplingPasses::channels_first, else ATen's copy).
+void copy_channels_first(const SamplingPasses& passes, const at::Tensor& channels_last, at::Tensor& out) {
+  if (passes.channels_first == nullptr || !passes.channels_first(channels_last, out)) {
+    out.copy_(channels_last.permute({0, 3, 1, 2}));
+  }
+}
+
 // sum += a x b, for matrices or batches of them, where `sum` may be float while a and b are half or bfloat16 (the
 // weight's gradient sums over every image in float). On a GPU since torch 2.8 the product itself runs on the half
 // types' tensor cores with a float result; otherwise the factors are widened first.
@@ -219,7 +226,12 @@ at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const
     } else if (rows_gemm) {
       chunk_gemm_rows(p, chunk_columns, weight_1x1, bias, chunk_output);
     } else {
-      chunk_output.copy_(at::conv2d(chunk_columns, weight_1x1, bias, kOnes, kZeros, kOnes, p.groups));
+      const at::Tensor product = at::conv2d(chunk_columns, weight_1x1, bias, kOnes, kZeros, kOnes, p.groups);
+      if (product.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+        copy_channels_first(passes, product.permute({0, 2, 3, 1}), chunk_output);
+      } else {
+        chunk_output.copy_(product);
+      }
     }
   }
   return output;
@@ -302,12 +314,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
 
   std::optional<at::Tensor> grad_mask_result;
   if (grad_mask.defined()) grad_mask_result = grad_mask;
-  at::Tensor grad_input_result =
-      passes.channels_first != nullptr ? passes.channels_first(grad_input, input.scalar_type()) : at::Tensor();
-  if (!grad_input_result.defined()) {
-    grad_input_result = grad_input.permute({0, 3, 1, 2}).to(input.scalar_type(), /*non_blocking=*/false,
-                                                            /*copy=*/false, at::MemoryFormat::Contiguous);
-  }
+  at::Tensor grad_input_result = at::empty({p.batch, p.in_channels, p.height, p.width}, input.options());
+  copy_channels_first(passes, grad_input, grad_input_result);
   return {grad_input_result, grad_offset, weight_from_1x1(p, grad_weights.to(weight.scalar_type())), grad_mask_result,
           grad_bias};
 }

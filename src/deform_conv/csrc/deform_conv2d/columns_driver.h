@@ -60,9 +60,11 @@ struct SamplingPasses {
   // (the input's): fill_columns writes the backward's columns in it (each rounded once, for backward_gemms), and
   // their gradient goes to a float32 buffer, which the other two passes read, their own sums in float32.
   at::ScalarType backward_column_dtype = at::ScalarType::Undefined;
-  // The input's gradient, accumulated channels-last [B, H, W, C_in], turned to the result's [B, C_in, H, W] in
-  // `dtype`, or an undefined tensor to leave it to ATen's copy; nullptr: always ATen's.
-  at::Tensor (*channels_first)(const at::Tensor& channels_last, at::ScalarType dtype) = nullptr;
+  // out [B, C, H, W] (contiguous) = channels_last [B, H, W, C] (contiguous) turned over, rounded once where out is
+  // in a half type and channels_last in float32: the input's gradient, accumulated channels-last, and the forward's
+  // convolution over the columns, whose output is channels-last. Returns false, doing nothing, to leave it to
+  // ATen's copy; nullptr: always ATen's.
+  bool (*channels_first)(const at::Tensor& channels_last, at::Tensor& out) = nullptr;
 };
 
 // The tensors the passes read, in the layout they expect: input channels-last [B, H, W, C_in] in memory (a
