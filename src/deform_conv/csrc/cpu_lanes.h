@@ -205,7 +205,9 @@ inline void store_lanes(const FloatLanes& lanes, float* p) { std::memcpy(p, &lan
 
 // count < 16 elements from p widened into the first lanes, +0 in the others, set in registers (copied through
 // memory into a vector, they stalled every load on the stores just made). Floats in a library compiled for
-// AVX-512 (cpu_kernels.h): one load under a mask, which reads nothing past the count.
+// AVX-512 (cpu_kernels.h): one load under a mask, which reads nothing past the count. The half types: a block of 8
+// and one of 4 widened in registers (widen_lanes) where the count holds them, the last 0-3 one by one (an offset
+// group of 8 or 12 channels: the coordinates' gradient on a bfloat16 image widened every value on its own).
 template <typename T>
 DC_AVX512_ASM inline void load_first_lanes(const T* p, int count, FloatLanes& lanes) {
 #if DC_CPU_VECTOR_BITS == 512
@@ -218,6 +220,24 @@ DC_AVX512_ASM inline void load_first_lanes(const T* p, int count, FloatLanes& la
     return;
   }
 #endif
+  if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
+    FloatHalfLanes low = {}, high = {};  // lanes 0-7 and 8-15
+    int j = 0;
+    if (count >= 8) {
+      widen_lanes(p, low);
+      j = 8;
+    }
+    if (count - j >= 4) {
+      FloatQuarterLanes quarter;
+      widen_lanes(p + j, quarter);
+      const FloatHalfLanes eight = __builtin_shufflevector(quarter, FloatQuarterLanes{}, 0, 1, 2, 3, 4, 5, 6, 7);
+      (j == 0 ? low : high) = eight;
+      j += 4;
+    }
+    lanes = __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; j < count; ++j) lanes[j] = static_cast<float>(p[j]);
+    return;
+  }
   lanes = FloatLanes{};
 #pragma GCC unroll 16
   for (int j = 0; j < kSumLanes; ++j) {
