@@ -116,20 +116,20 @@ bool channels_first(const at::Tensor& channels_last, at::Tensor& out) {
         transpose_narrowing(channels_last.const_data_ptr<float>() + src, len, channels, channels, result + dst,
                             pixels, nullptr);
       };
+      const auto into_half = [&](auto half) {  // half_t's values moved, or float32's rounded to it
+        using half_t = decltype(half);
+        if (from == to) {
+          same(channels_last.const_data_ptr<half_t>(), out.mutable_data_ptr<half_t>());
+        } else {
+          narrowing(out.mutable_data_ptr<half_t>());
+        }
+      };
       switch (to) {
         case at::kBFloat16:
-          if (from == to) {
-            same(channels_last.const_data_ptr<c10::BFloat16>(), out.mutable_data_ptr<c10::BFloat16>());
-          } else {
-            narrowing(out.mutable_data_ptr<c10::BFloat16>());
-          }
+          into_half(c10::BFloat16());
           break;
         case at::kHalf:
-          if (from == to) {
-            same(channels_last.const_data_ptr<c10::Half>(), out.mutable_data_ptr<c10::Half>());
-          } else {
-            narrowing(out.mutable_data_ptr<c10::Half>());
-          }
+          into_half(c10::Half());
           break;
         default:
           same(channels_last.const_data_ptr<float>(), out.mutable_data_ptr<float>());
