@@ -342,3 +342,31 @@ def test_float32_paths_with_strided_tensors_and_an_expanded_grad_output():
         return [out.detach().float()] + [leaf.grad.float() for leaf in leaves]
 
     assert_all_close(grads(strided, torch.float32), grads(case.tensors(), torch.float64), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("out_channels, in_channels, kernel", [(40, 512, 3), (7, 17, 3), (33, 16, 1), (9, 19, 5)],
+                         ids=["wide", "odd", "1x1", "5x5"])
+def test_the_weight_is_turned_to_the_columns_order_bit_for_bit(dtype, out_channels, in_channels, kernel):
+    """The CPU turns a contiguous weight to the columns' order itself (16 channels a gather where the library has
+    AVX-512, the rest one by one, the last values of the weight one by one too); a weight in another layout takes
+    ATen's copy. Both give the same forward and backward, bit for bit, on either path of the half types (forward
+    and backward on the native path here with DEFORM_CONV_CPU_HALF_GEMM=portable)."""
+    from helpers.deform_conv2d import half_gemm_path
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, in_channels, 6, 7, generator=g).to(dtype)
+    offset = torch.randn(2, 2 * kernel * kernel, 6, 7, generator=g).to(dtype)
+    weight = torch.randn(out_channels, in_channels, kernel, kernel, generator=g).to(dtype)
+    grad_output = torch.randn(2, out_channels, 6, 7, generator=g).to(dtype)
+
+    def run(w):
+        leaves = [x.clone().requires_grad_(), w.detach().clone(memory_format=torch.preserve_format).requires_grad_()]
+        out = deform_conv.deform_conv2d(leaves[0], offset, leaves[1], padding=kernel // 2)
+        return [out] + list(torch.autograd.grad(out, leaves, grad_output))
+
+    with half_gemm_path("portable" if dtype != torch.float32 else "auto"):
+        turned_here = run(weight)
+        turned_by_aten = run(weight.contiguous(memory_format=torch.channels_last))
+    for a, b in zip(turned_here, turned_by_aten):
+        assert torch.equal(a, b)

@@ -122,21 +122,19 @@ void turn_over(const scalar_t* src, int64_t rows, int64_t cols, int64_t ld_src, 
 }
 
 // The weight's panels, each [taps * C_in/G, width] (see WeightPanels; of float32 or the half type alike), panel c
-// of group g at (g * C_out/G + c) * taps * C_in/G: turned over by blocked transposes, first each output channel's
-// [C_in/G, taps] to [taps, C_in/G], then each panel's rows. (ATen's copies of the permuted weight took 0.7 ms of
-// S2's bfloat16 forward on the Xeon, 2 threads: 15% of it.)
+// of group g at (g * C_out/G + c) * taps * C_in/G: first each output channel's [C_in/G, taps] turned to
+// [taps, C_in/G] (taps_outer), then each panel's rows by blocked transposes. (ATen's copies of the permuted weight
+// took 0.7 ms of S2's bfloat16 forward on the Xeon, 2 threads: 15% of it.)
 template <typename scalar_t>
 at::Tensor unpacked_panels(const ConvParams& p, const at::Tensor& weight) {
   const int64_t taps = p.taps(), per_channel = p.in_channels_per_group(), per_group = taps * per_channel;
   const int64_t out_per_group = p.out_channels_per_group();
   const at::Tensor weight_c = weight.contiguous();
   const scalar_t* w = weight_c.const_data_ptr<scalar_t>();
-  at::Tensor taps_outer = weight.new_empty({p.out_channels, per_group});  // [C_out, taps * C_in/G]
-  scalar_t* rows = taps_outer.mutable_data_ptr<scalar_t>();
-  at::parallel_for(0, p.out_channels, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) {
-      turn_over(w + o * per_group, per_channel, taps, taps, rows + o * per_group, per_channel);
-    }
+  at::Tensor turned = weight.new_empty({p.out_channels, per_group});  // [C_out, taps * C_in/G]
+  scalar_t* rows = turned.mutable_data_ptr<scalar_t>();
+  at::parallel_for(0, p.out_channels, 8, [&](int64_t begin, int64_t end) {
+    taps_outer(w + begin * per_group, end - begin, per_channel, taps, rows + begin * per_group);
   });
   at::Tensor panels = weight.new_empty({p.out_channels * per_group});
   scalar_t* to = panels.mutable_data_ptr<scalar_t>();

@@ -15,5 +15,12 @@ void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld_src, flo
 template <typename half_t>
 void transpose(const half_t* src, int64_t rows, int64_t cols, int64_t ld_src, half_t* dst, int64_t ld_dst);
 
+// dst[r, t, c] = src[r, c, t] for r < rows, c < channels, t < taps: each row's [channels, taps] turned over (a
+// weight [C_out, C_in/G, kh, kw] into the columns' order, taps outer). float32, or a half type's bits moved as
+// they are.
+void taps_outer(const float* src, int64_t rows, int64_t channels, int64_t taps, float* dst);
+template <typename half_t>
+void taps_outer(const half_t* src, int64_t rows, int64_t channels, int64_t taps, half_t* dst);
+
 }  // namespace cpu
 }  // namespace deform_conv
