@@ -138,12 +138,16 @@ at::Tensor unpacked_panels(const ConvParams& p, const at::Tensor& weight) {
   });
   at::Tensor panels = weight.new_empty({p.out_channels * per_group});
   scalar_t* to = panels.mutable_data_ptr<scalar_t>();
-  const int64_t panels_per_group = ceil_div(out_per_group, kPanelWidth), depth_blocks = ceil_div(per_group, 256);
+  // Tasks: up to kPanelRowsPerTask rows of a panel (S1: its 576 in 3 tasks, S2: 2304 in 9 for each of 4 panels).
+  constexpr int64_t kPanelRowsPerTask = 256;
+  const int64_t panels_per_group = ceil_div(out_per_group, kPanelWidth);
+  const int64_t depth_blocks = ceil_div(per_group, kPanelRowsPerTask);
   at::parallel_for(0, p.groups * panels_per_group * depth_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t panel = task / depth_blocks, k0 = task % depth_blocks * 256;
+      const int64_t panel = task / depth_blocks, k0 = task % depth_blocks * kPanelRowsPerTask;
       const int64_t g = panel / panels_per_group, c = panel % panels_per_group * kPanelWidth;
-      const int64_t width = std::min(kPanelWidth, out_per_group - c), depth = std::min<int64_t>(256, per_group - k0);
+      const int64_t width = std::min(kPanelWidth, out_per_group - c);
+      const int64_t depth = std::min(kPanelRowsPerTask, per_group - k0);
       const int64_t first_row = g * out_per_group + c;
       turn_over(rows + first_row * per_group + k0, width, depth, per_group, to + first_row * per_group + k0 * width,
                 width);
