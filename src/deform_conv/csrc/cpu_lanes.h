@@ -220,6 +220,7 @@ DC_AVX512_ASM inline void load_first_lanes(const T* p, int count, FloatLanes& la
     return;
   }
 #endif
+#if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector (GCC 9-11 take the loop below)
   if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
     FloatHalfLanes low = {}, high = {};  // lanes 0-7 and 8-15
     int j = 0;
@@ -238,6 +239,7 @@ DC_AVX512_ASM inline void load_first_lanes(const T* p, int count, FloatLanes& la
     for (; j < count; ++j) lanes[j] = static_cast<float>(p[j]);
     return;
   }
+#endif
   lanes = FloatLanes{};
 #pragma GCC unroll 16
   for (int j = 0; j < kSumLanes; ++j) {
