@@ -348,10 +348,11 @@ def test_float32_paths_with_strided_tensors_and_an_expanded_grad_output():
 @pytest.mark.parametrize("out_channels, in_channels, kernel", [(40, 512, 3), (7, 17, 3), (33, 16, 1), (9, 19, 5)],
                          ids=["wide", "odd", "1x1", "5x5"])
 def test_the_weight_is_turned_to_the_columns_order_bit_for_bit(dtype, out_channels, in_channels, kernel):
-    """The CPU turns a contiguous weight to the columns' order itself (16 channels a gather where the library has
-    AVX-512, the rest one by one, the last values of the weight one by one too); a weight in another layout takes
-    ATen's copy. Both give the same forward and backward, bit for bit, on either path of the half types (forward
-    and backward on the native path here with DEFORM_CONV_CPU_HALF_GEMM=portable)."""
+    """The CPU turns a contiguous weight to the columns' order itself (taps_outer: 16 channels a gather where the
+    library has AVX-512, the rest one by one, the last values of the weight one by one too); on the driver's path
+    (the backward, and forwards whose tiles would be too small: 512 channels) a weight in another layout takes
+    ATen's copy instead. Both give the same forward and backward, bit for bit (the half types on their native path,
+    here with DEFORM_CONV_CPU_HALF_GEMM=portable)."""
     from helpers.deform_conv2d import half_gemm_path
 
     g = torch.Generator().manual_seed(0)

@@ -29,9 +29,13 @@ int64_t images_per_chunk(const ConvParams& p, int64_t element_size, int64_t budg
 }
 
 // weight [C_out, C_in/groups, kh, kw] -> [C_out, taps * C_in/groups, 1, 1], taps outer and channels inner as
-// in the columns: the weight of the 1x1 convolution over the columns.
-at::Tensor weight_as_1x1(const ConvParams& p, const at::Tensor& weight) {
-  return weight.permute({0, 2, 3, 1}).reshape({p.out_channels, p.taps() * p.in_channels_per_group(), 1, 1}).contiguous();
+// in the columns: the weight of the 1x1 convolution over the columns (SamplingPasses::weight_in_column_order, else
+// ATen's copy).
+at::Tensor weight_as_1x1(const SamplingPasses& passes, const ConvParams& p, const at::Tensor& weight) {
+  at::Tensor turned =
+      passes.weight_in_column_order != nullptr ? passes.weight_in_column_order(weight) : at::Tensor();
+  if (!turned.defined()) turned = weight.permute({0, 2, 3, 1}).contiguous();
+  return turned.view({p.out_channels, p.taps() * p.in_channels_per_group(), 1, 1});
 }
 
 // The inverse of weight_as_1x1, for the weight's gradient.
@@ -209,7 +213,7 @@ at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const
   if (output.numel() == 0) return output;
 
   const SamplingTensors tensors(passes, input, offset, mask);
-  const at::Tensor weight_1x1 = weight_as_1x1(p, weight);
+  const at::Tensor weight_1x1 = weight_as_1x1(passes, p, weight);
   // With gemm_dtype, the fill pass writes the columns in it (rounded once as they are sampled).
   const at::TensorOptions column_options = input.options().dtype(gemm_dtype.value_or(input.scalar_type()));
   const int64_t chunk = images_per_chunk(p, column_options.dtype().itemsize(), passes.column_budget_bytes);
@@ -254,7 +258,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
 
   if (p.batch > 0 && p.out_channels > 0) {
     const SamplingTensors tensors(passes, input, offset, mask);
-    const at::Tensor weight_matrix = weight_as_1x1(p, weight).view({p.out_channels, -1});
+    const at::Tensor weight_matrix = weight_as_1x1(passes, p, weight).view({p.out_channels, -1});
     // GPU GEMMs read grad_output channels-last: a copy of each chunk's part unless it is already (as the
     // gradient of a channels-last output is). The copy counts against the column budget, so the peak stays as it
     // was without it.

@@ -65,6 +65,9 @@ struct SamplingPasses {
   // convolution over the columns, whose output is channels-last. Returns false, doing nothing, to leave it to
   // ATen's copy; nullptr: always ATen's.
   bool (*channels_first)(const at::Tensor& channels_last, at::Tensor& out) = nullptr;
+  // The weight [C_out, C_in/G, kh, kw] turned to the columns' order, [C_out, kh, kw, C_in/G] (contiguous), or an
+  // undefined tensor to leave it to ATen's copy of the permuted weight; nullptr: always ATen's.
+  at::Tensor (*weight_in_column_order)(const at::Tensor& weight) = nullptr;
 };
 
 // The tensors the passes read, in the layout they expect: input channels-last [B, H, W, C_in] in memory (a

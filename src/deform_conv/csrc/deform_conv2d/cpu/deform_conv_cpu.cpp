@@ -139,14 +139,13 @@ bool channels_first(const at::Tensor& channels_last, at::Tensor& out) {
   return true;
 }
 
-// The weight [C_out, C_in/G, kh, kw] as a view of a copy laid out [C_out, kh, kw, C_in/G], taps outer as in the
-// columns, which the driver's weight_as_1x1 reads without a copy of its own: turned over row by row from the L1
-// cache (taps_outer), where ATen's copy of the permuted weight took 0.45 ms of S3's bfloat16 forward on the Xeon
-// (2.67-2.69 ms then, 2.32-2.41 so). float64 and other layouts as they are.
+// The weight [C_out, C_in/G, kh, kw] turned to the columns' order, [C_out, kh, kw, C_in/G]: row by row from the
+// L1 cache (taps_outer), where ATen's copy of the permuted weight took 0.45 ms of S3's bfloat16 forward on the Xeon
+// (2.67-2.69 ms then, 2.32-2.41 so). float64 and weights in other layouts are left to ATen.
 at::Tensor weight_in_column_order(const at::Tensor& weight) {
   const at::ScalarType dtype = weight.scalar_type();
   if (!weight.is_contiguous() || (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf)) {
-    return weight;
+    return at::Tensor();
   }
   const int64_t rows = weight.size(0), channels = weight.size(1), taps = weight.size(2) * weight.size(3);
   at::Tensor turned = at::empty({rows, weight.size(2), weight.size(3), channels}, weight.options());
@@ -164,7 +163,7 @@ at::Tensor weight_in_column_order(const at::Tensor& weight) {
                           turned.mutable_data_ptr<float>() + at);
     }
   });
-  return turned.permute({0, 3, 1, 2});
+  return turned;
 }
 
 // 8 MiB of columns per chunk (at least one image): written by the sampling pass and read by the GEMM while
@@ -172,16 +171,19 @@ at::Tensor weight_in_column_order(const at::Tensor& weight) {
 // chunk stretched to an image per thread stays within what it keeps.
 constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(8) << 20, /*gemm_as_convolution=*/true,
                                  /*backward_gemms=*/backward_gemms, scratch, kMaxKeptScratchBytes,
-                                 /*backward_column_dtype=*/at::ScalarType::Undefined, channels_first};
+                                 /*backward_column_dtype=*/at::ScalarType::Undefined, channels_first,
+                                 weight_in_column_order};
 // A half-type layer's backward where the CPU multiplies its type natively: the input, grad_output and the weight
 // read in the half type, the offsets and the mask widened to float32; the columns filled in the half type for the
 // GEMMs on the half type's (brgemm.h), their gradient and every sum in float32.
 constexpr SamplingPasses kBFloat16Passes{fill, coordinate_grads, input_grad, int64_t(8) << 20, true,
                                          half_backward_gemms<c10::BFloat16>, scratch, kMaxKeptScratchBytes,
-                                         /*backward_column_dtype=*/at::kBFloat16, channels_first};
+                                         /*backward_column_dtype=*/at::kBFloat16, channels_first,
+                                         weight_in_column_order};
 constexpr SamplingPasses kFloat16Passes{fill, coordinate_grads, input_grad, int64_t(8) << 20, true,
                                         half_backward_gemms<c10::Half>, scratch, kMaxKeptScratchBytes,
-                                        /*backward_column_dtype=*/at::kHalf, channels_first};
+                                        /*backward_column_dtype=*/at::kHalf, channels_first,
+                                        weight_in_column_order};
 
 // Whether a half-type layer's GEMMs run on the half type's here (depthwise layers have none).
 bool native_half_layer(const ConvParams& p, const at::Tensor& input) {
@@ -214,8 +216,7 @@ at::Tensor deform_conv2d_forward(const at::Tensor& input, const at::Tensor& offs
   if (is_half_type(input)) {
     if (native_half_layer(p, input)) {
       if (tiled_forward_applies(p, input)) return tiled_forward(p, input, offset, mask, weight, bias);
-      return forward_with(kPasses, p, input, widened(offset), weight_in_column_order(weight), widened(mask), bias,
-                          input.scalar_type());
+      return forward_with(kPasses, p, input, widened(offset), weight, widened(mask), bias, input.scalar_type());
     }
     return deform_conv2d_forward(widened(input), widened(offset), widened(weight), widened(mask), widened(bias), stride, padding,
                    dilation, border_gradient)
@@ -223,7 +224,7 @@ at::Tensor deform_conv2d_forward(const at::Tensor& input, const at::Tensor& offs
   }
   if (p.is_depthwise()) return depthwise_forward(p, input, offset, weight, mask, bias);
   if (tiled_forward_applies(p, input)) return tiled_forward(p, input, offset, mask, weight, bias);
-  return forward_with(kPasses, p, input, offset, weight_in_column_order(weight), mask, bias);
+  return forward_with(kPasses, p, input, offset, weight, mask, bias);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>>
@@ -238,8 +239,8 @@ deform_conv2d_backward(
     const at::ScalarType dtype = input.scalar_type();
     if (native_half_layer(p, input) && half_backward_gemms_fit(p)) {
       const SamplingPasses& passes = dtype == at::kBFloat16 ? kBFloat16Passes : kFloat16Passes;
-      auto [gi, go, gw, gm, gb] = backward_with(passes, p, grad_output, input, widened(offset),
-                                                weight_in_column_order(weight), widened(mask), bias_defined);
+      auto [gi, go, gw, gm, gb] =
+          backward_with(passes, p, grad_output, input, widened(offset), weight, widened(mask), bias_defined);
       return {gi.to(dtype), go.to(dtype), gw.to(dtype), narrowed(gm, dtype), narrowed(gb, dtype)};
     }
     auto [gi, go, gw, gm, gb] = deform_conv2d_backward(widened(grad_output), widened(input), widened(offset), widened(weight),
@@ -247,7 +248,7 @@ deform_conv2d_backward(
     return {gi.to(dtype), go.to(dtype), gw.to(dtype), narrowed(gm, dtype), narrowed(gb, dtype)};
   }
   if (p.is_depthwise()) return depthwise_backward(p, grad_output, input, offset, weight, mask, bias_defined);
-  return backward_with(kPasses, p, grad_output, input, offset, weight_in_column_order(weight), mask, bias_defined);
+  return backward_with(kPasses, p, grad_output, input, offset, weight, mask, bias_defined);
 }
 
 }  // namespace cpu

@@ -110,17 +110,6 @@ int64_t panel_slot(const ConvParams& p) {
   return p.taps() * p.in_channels_per_group() * packed_width(std::min(kPanelWidth, p.out_channels_per_group()));
 }
 
-// src [rows, cols] (leading dimension ld_src) turned over into dst (leading dimension ld_dst): transpose() for
-// float32 and the half types alike.
-template <typename scalar_t>
-void turn_over(const scalar_t* src, int64_t rows, int64_t cols, int64_t ld_src, scalar_t* dst, int64_t ld_dst) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    transpose(src, rows, cols, ld_src, dst, ld_dst, nullptr);
-  } else {
-    transpose(src, rows, cols, ld_src, dst, ld_dst);
-  }
-}
-
 // The weight's panels, each [taps * C_in/G, width] (see WeightPanels; of float32 or the half type alike), panel c
 // of group g at (g * C_out/G + c) * taps * C_in/G: first each output channel's [C_in/G, taps] turned to
 // [taps, C_in/G] (taps_outer), then each panel's rows by blocked transposes. (ATen's copies of the permuted weight
@@ -149,7 +138,7 @@ at::Tensor unpacked_panels(const ConvParams& p, const at::Tensor& weight) {
       const int64_t width = std::min(kPanelWidth, out_per_group - c);
       const int64_t depth = std::min(kPanelRowsPerTask, per_group - k0);
       const int64_t first_row = g * out_per_group + c;
-      turn_over(rows + first_row * per_group + k0, width, depth, per_group, to + first_row * per_group + k0 * width,
+      transpose(rows + first_row * per_group + k0, width, depth, per_group, to + first_row * per_group + k0 * width,
                 width);
     }
   });
