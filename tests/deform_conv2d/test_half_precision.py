@@ -184,6 +184,45 @@ def test_native_forward_on_the_driver(half, kwargs):
     assert not torch.equal(got, float32_rounded(case, tensors, half))
 
 
+# A layer whose float32 tiles would not fit (9 * 520 columns and 80 outputs a pixel: 32 pixels take 595 KiB). With
+# 2 images of 13x13 it has rows enough against its weight (338, more than its depth of 4,680 over 16): the half
+# types take it tiled, a whole image a tile, the GEMMs a depth block of the columns at a time (10 blocks, the last
+# 72 rows deep) over two panels (64 and 16 output channels). With one image (169 rows) the driver's matrix products
+# take it, which read the weight once.
+LARGE_LAYER = dict(in_channels=520, out_channels=80, groups=1, offset_groups=2, size=(13, 13), kernel=(3, 3),
+                   stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+
+
+@HALF_TYPES
+@pytest.mark.parametrize("batch, tiled", [(2, True), (1, False)], ids=["tiled", "driver"])
+def test_native_forward_of_a_layer_whose_tiles_do_not_fit(half, batch, tiled):
+    """Within the same rounding on either path; the tiled one runs no GEMM of ATen's, the driver's its mm."""
+    case = make_case(torch.float32, **LARGE_LAYER, batch=batch)
+    tensors = halves(case, half)
+    with half_gemm_path("portable"):
+        with torch.profiler.profile() as profile:
+            case.call(ours, tensors)
+        got = assert_native_forward_close(case, half, tensors)
+    gemms_of_aten = {"aten::mm", "aten::addmm", "aten::conv2d"} & {event.name for event in profile.events()}
+    assert (not gemms_of_aten) == tiled, gemms_of_aten
+    assert not torch.equal(got, float32_rounded(case, tensors, half))
+
+
+@HALF_TYPES
+def test_native_forward_of_a_layer_whose_tiles_do_not_fit_here(half):
+    """The same tiled layer on this CPU's own path. With AMX its weight is packed into VNNI pairs by one transpose
+    of 32-bit words (cpu_half_path says so; the library checked that ATen packs the same bits when it chose the
+    path). Without a native path, the float32 path rounded, bit for bit."""
+    case = make_case(torch.float32, **LARGE_LAYER, batch=2)
+    tensors = halves(case, half)
+    with half_gemm_path("auto"):
+        if not native_here(half):
+            assert torch.equal(case.call(ours, tensors), float32_rounded(case, tensors, half))
+            return
+        got = assert_native_forward_close(case, half, tensors)
+    assert not torch.equal(got, float32_rounded(case, tensors, half))
+
+
 def native_grad_weight_tolerance(case, tensors, grad_output, half):
     """The weight's gradient on the native path sums, in float32, grad_output (exact in the half type) times the
     columns rounded to the half type: as for the forward, |g - exact| <= u |exact| + (u + (N + 20) 2**-24) S
@@ -406,9 +445,9 @@ def test_native_columns_are_rounded_as_torch_rounds(half, channels):
 
 @HALF_TYPES
 def test_native_columns_are_rounded_as_torch_rounds_on_the_driver(half):
-    """The same on the driver's path (its columns filled in the half type for the convolution in the half type):
-    2,048 channels, too many for the tiled forward's tiles."""
-    (x, offset, weight, mask), unrounded = rounding_case(half, 2048)
+    """The same on the driver's path (its columns filled in the half type for its GEMM in the half type): 2,050
+    channels, too many for the tiled forward's tiles and too few rows (12) for its whole-image tiles."""
+    (x, offset, weight, mask), unrounded = rounding_case(half, 2050)
     x, mask, unrounded = x[..., :3, :5], mask[..., :3, :5], unrounded[..., :3, :4]
     with half_gemm_path("portable"):
         got = ours(x, offset[..., :3, :5], weight, mask=mask)

@@ -144,19 +144,6 @@ void chunk_gemms_forward(const ConvParams& p, const at::Tensor& chunk_columns, c
   }
 }
 
-// Whether the CPU forward's GEMM over a chunk of `rows` column rows runs faster as plain matrix products
-// (chunk_gemm_rows) than as oneDNN's 1x1 convolution, which reorders the whole weight into its blocked layout on
-// every call: that costs as much as the products where a weight row is longer than the chunk has rows. Measured on
-// a Sapphire Rapids Xeon (2 threads), float32 forward: 512 channels at 14x14, 2 images (392 rows of 4608), 4.6 ms
-// against 5.5 ms; 1024 channels at 7x7, 5.4 ms against 18.7 ms; but 256 channels at 28x28 (3136 rows of 2304)
-// 1.06x slower and 64 at 56x56 1.28x slower. The half types (bfloat16 on AMX) gain from them only where a weight
-// row is 16 times longer: 1.06x slower at 392 rows of 4608, 1.4x and 3.5x faster at 196 rows of 4608 and 98 of
-// 9216. Decided once a call, for its largest chunk: a batch's last, shorter chunk takes the same GEMM as the others.
-bool rows_gemm_pays(const ConvParams& p, int64_t rows, at::ScalarType dtype) {
-  const int64_t row_length = p.taps() * p.in_channels_per_group();
-  return (c10::isReducedFloatingType(dtype) ? 16 * rows : rows) < row_length;
-}
-
 // The forward's GEMM of one chunk as matrix products over its rows (images * H_out*W_out of them): for each weight
 // group, [rows, taps * C_in/G] x the weight's group transposed (read so, as it lies), the bias added by the GEMM;
 // then turned into the output's [C_out/G, H_out*W_out] per image and group.
@@ -191,7 +178,21 @@ void chunk_gemms_backward(const ConvParams& p, const at::Tensor& grad_rows, cons
   // Half types: cuBLAS multiplies on the tensor cores and accumulates in float, then rounds once.
   at::bmm_out(columns, grad, weight_matrix.view({p.groups, out_per_group, per_group}));
 }
+
 }  // namespace
+
+// Whether the CPU forward's GEMM over a chunk of `rows` column rows runs faster as plain matrix products
+// (chunk_gemm_rows) than as oneDNN's 1x1 convolution, which reorders the whole weight into its blocked layout on
+// every call: that costs as much as the products where a weight row is longer than the chunk has rows. Measured on
+// a Sapphire Rapids Xeon (2 threads), float32 forward: 512 channels at 14x14, 2 images (392 rows of 4608), 4.6 ms
+// against 5.5 ms; 1024 channels at 7x7, 5.4 ms against 18.7 ms; but 256 channels at 28x28 (3136 rows of 2304)
+// 1.06x slower and 64 at 56x56 1.28x slower. The half types (bfloat16 on AMX) gain from them only where a weight
+// row is 16 times longer: 1.06x slower at 392 rows of 4608, 1.4x and 3.5x faster at 196 rows of 4608 and 98 of
+// 9216. Decided once a call, for its largest chunk: a batch's last, shorter chunk takes the same GEMM as the others.
+bool rows_gemm_pays(const ConvParams& p, int64_t rows, at::ScalarType dtype) {
+  const int64_t row_length = p.taps() * p.in_channels_per_group();
+  return (c10::isReducedFloatingType(dtype) ? 16 * rows : rows) < row_length;
+}
 
 SamplingTensors::SamplingTensors(const SamplingPasses& passes, const at::Tensor& input_, const at::Tensor& offset_,
                                  const std::optional<at::Tensor>& mask_)

@@ -79,6 +79,11 @@ struct SamplingTensors {
                   const std::optional<at::Tensor>& mask);
 };
 
+// Whether the CPU forward's GEMM over `rows` column rows (a chunk's images * H_out*W_out) runs faster as plain
+// matrix products than as oneDNN's 1x1 convolution: where the weight is large against the rows (the half types'
+// tiled forward leaves such layers to the driver too).
+bool rows_gemm_pays(const ConvParams& p, int64_t rows, at::ScalarType dtype);
+
 // `p` comes from make_conv_params on the same tensors (which validates them). `gemm_dtype` (on the CPU, a half
 // type; the passes' GEMM a convolution): the columns, sampled in float32 (from an input in float32 or in that
 // type, widened as it is loaded), are rounded once to it as the fill pass writes them (the backend's fill_columns

@@ -12,6 +12,7 @@
 
 #include "brgemm.h"
 #include "half_conversion.h"
+#include "transpose.h"
 
 namespace deform_conv {
 namespace cpu {
@@ -71,6 +72,29 @@ bool computes_exactly(const HalfGemm& gemm) {
   return c == expected;
 }
 
+// Whether ATen packs a panel for `gemm` (Layout::aten_packed) in VNNI pairs: a panel of a whole depth block, at
+// each packed width, compared bit for bit.
+template <typename half_t>
+bool aten_packs_vnni_pairs(const HalfGemm& gemm) {
+  for (const int64_t width : {16, 24, 40, 64}) {
+    const int64_t k = kDepthBlock, ld = packed_width(width);
+    std::vector<half_t> b(k * width), packed(k * ld), expected(k * ld, half_t(0.f));
+    for (int64_t r = 0; r < k; ++r) {
+      for (int64_t j = 0; j < width; ++j) {
+        b[r * width + j] = half_t(float((r * 7 + j * 3) % 251 - 125));  // exact in both half types
+        expected[r / 2 * 2 * ld + 2 * j + r % 2] = b[r * width + j];
+      }
+    }
+    try {
+      pack_weight_panel(gemm, k, width, b.data(), width, packed.data());
+    } catch (const c10::Error&) {
+      return false;
+    }
+    if (std::memcmp(packed.data(), expected.data(), packed.size() * sizeof(half_t)) != 0) return false;
+  }
+  return true;
+}
+
 template <typename half_t>
 HalfGemm probe(c10::ScalarType dtype) {
   using Layout = HalfGemm::Layout;
@@ -82,8 +106,11 @@ HalfGemm probe(c10::ScalarType dtype) {
     candidates.push_back({Layout::vnni_pairs, true});
     candidates.push_back({Layout::plain, true});
   }
-  for (const HalfGemm& candidate : candidates) {
-    if (computes_exactly<half_t>(candidate)) return candidate;
+  for (HalfGemm& candidate : candidates) {
+    if (!computes_exactly<half_t>(candidate)) continue;
+    candidate.packs_vnni_pairs = candidate.layout == Layout::vnni_pairs ||
+                                 (candidate.layout == Layout::aten_packed && aten_packs_vnni_pairs<half_t>(candidate));
+    return candidate;
   }
   return {};
 }
@@ -130,7 +157,8 @@ std::string cpu_half_path(c10::ScalarType dtype) {
   const char* isa = dtype == c10::kBFloat16 ? "AVX512-BF16" : "AVX512-FP16";
   switch (gemm.layout) {
     case HalfGemm::Layout::aten_packed:
-      return name + ": native, " + name + " GEMMs on oneDNN's AMX microkernels (weights packed by ATen)";
+      return name + ": native, " + name + " GEMMs on oneDNN's AMX microkernels (weights packed " +
+             (gemm.packs_vnni_pairs ? "in VNNI pairs, as ATen packs them)" : "by ATen)");
     case HalfGemm::Layout::vnni_pairs:
       return name + ": native, " + name + " GEMMs on oneDNN's " + isa + " microkernels (weights in VNNI pairs)";
     case HalfGemm::Layout::plain:
@@ -207,6 +235,19 @@ void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const sou
 }
 
 template <typename half_t>
+void pack_panel_from_rows(const HalfGemm& gemm, int64_t k, int64_t width, const half_t* rows, int64_t ld_rows,
+                          half_t* packed) {
+  TORCH_CHECK(gemm.packs_vnni_pairs && width <= kPanelWidth && k % 2 == 0 && ld_rows % 2 == 0 &&
+                  reinterpret_cast<uintptr_t>(rows) % sizeof(uint32_t) == 0 &&
+                  reinterpret_cast<uintptr_t>(packed) % sizeof(uint32_t) == 0,
+              "deform_conv: pack_panel_from_rows(k=", k, ", width=", width, ", ld_rows=", ld_rows, ")");
+  const int64_t ld = packed_width(width);
+  if (width < ld) std::fill(packed, packed + k * ld, half_t(0.f));
+  transpose(reinterpret_cast<const uint32_t*>(rows), width, k / 2, ld_rows / 2, reinterpret_cast<uint32_t*>(packed),
+            ld);
+}
+
+template <typename half_t>
 void half_gemm_on_this_thread(const HalfGemm& gemm, int64_t m, int64_t n, int64_t k, const half_t* a, int64_t ld_a,
                               const half_t* packed, float* c, int64_t ld_c, bool accumulate) {
   const int64_t ld = packed_width(n);
@@ -225,6 +266,7 @@ void release_half_gemm_context(const HalfGemm& gemm) {
 #define DEFORM_CONV_INSTANTIATE(T)                                                                          \
   template void pack_weight_panel<T, T>(const HalfGemm&, int64_t, int64_t, const T*, int64_t, T*);         \
   template void pack_weight_panel<T, float>(const HalfGemm&, int64_t, int64_t, const float*, int64_t, T*); \
+  template void pack_panel_from_rows<T>(const HalfGemm&, int64_t, int64_t, const T*, int64_t, T*);             \
   template void half_gemm_on_this_thread<T>(const HalfGemm&, int64_t, int64_t, int64_t, const T*, int64_t,  \
                                             const T*, float*, int64_t, bool);
 DEFORM_CONV_INSTANTIATE(c10::BFloat16)

@@ -26,6 +26,9 @@ struct HalfGemm {
   enum class Layout { none, aten_packed, vnni_pairs, plain };
   Layout layout = Layout::none;  // none: no native GEMM here; the half types run in float32
   bool vnni = false;             // passed to ATen's brgemm: whether it may run oneDNN's microkernels
+  // Whether a packed panel holds the rows in VNNI pairs, element (r, j) at r/2 * 2ld + 2j + r%2 (ld its packed
+  // width): Layout::vnni_pairs, and ATen's packing for AMX where the probe finds that it writes them so.
+  bool packs_vnni_pairs = false;
   bool uses_native_path() const { return layout != Layout::none; }
 };
 
@@ -49,6 +52,13 @@ inline int64_t even(int64_t k) { return k + k % 2; }
 template <typename half_t, typename source_t>
 void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const source_t* b, int64_t ld_b,
                        half_t* packed);
+
+// The same panel given as its transpose, `rows` [width, k] (leading dimension ld_rows, both even, k even), where
+// gemm.packs_vnni_pairs: each pair of the panel's rows is then a column of rows' 32-bit words, and one transpose of
+// those words packs it, bit for bit as pack_weight_panel would.
+template <typename half_t>
+void pack_panel_from_rows(const HalfGemm& gemm, int64_t k, int64_t width, const half_t* rows, int64_t ld_rows,
+                          half_t* packed);
 
 // c[m, n] = a[m, k] x packed[k, n] (or c += with `accumulate`), k even, a row-major with leading dimension ld_a,
 // `packed` from pack_weight_panel, c float32; on the calling thread.

@@ -9,6 +9,7 @@
 #include <numeric>
 #include <type_traits>
 
+#include "../columns_driver.h"
 #include "brgemm.h"
 #include "half_conversion.h"
 #include "half_gemm.h"
@@ -20,14 +21,20 @@ namespace deform_conv {
 namespace cpu {
 namespace {
 
-// One tile's columns and product, at most: half of a 1 MiB L2 cache, from which the GEMM reads the columns once
-// per panel.
+// One tile's columns and product, at most: half of a 1 MiB L2 cache, from which the GEMM reads each depth block of
+// the columns once per panel.
 constexpr int64_t kTileBytes = int64_t(512) << 10;
 // Pixels per tile, at least: each tile's GEMMs stream the whole weight through the cache, for 2 * pixels
 // multiply-adds per weight element read. Fewer pixels, and the GEMMs wait on memory (a layer of 512 channels
 // at 3x3, 18 KiB of columns per pixel, ran 2.3x slower than on the driver's path with 14-pixel tiles); such
-// layers take the driver's path, whose GEMM covers whole images.
+// float32 layers take the driver's path, whose GEMM covers whole images (the half types' take larger tiles).
 constexpr int64_t kMinTilePixels = 32;
+// Pixels per tile, at least, where a half-type layer's tiles would not fit: on AMX its GEMMs run several times
+// faster than float32's, and with each tile streaming the whole weight they would wait on memory. Whole images up to
+// this many pixels instead, the GEMMs taking the tile's columns a depth block at a time. 512 channels at 3x3 and
+// 14x14, 2 images, bfloat16 on the Xeon (2 threads): 2.10 ms on the driver's path, 1.60 ms so (with the weight
+// packed by one transpose, half_gemm.h); tiles of 128 or 512 pixels were slower on 4 shapes of 5.
+constexpr int64_t kMinLargeLayerTilePixels = 256;
 // A thread turns the images it works on to channels-last itself when they are at most this large; it keeps the
 // buffer (scratch.h), so the bound is per worker thread.
 constexpr int64_t kMaxTurnedImageBytes = int64_t(4) << 20;
@@ -67,9 +74,14 @@ int64_t tile_bytes(const ConvParams& p, at::ScalarType dtype) {
   return l2_bytes >= kLargeL2 && weight_bytes > kLargeL2 ? 2 * kTileBytes : kTileBytes;
 }
 
-// As large as tile_bytes allows, but small enough (down to kMinTilePixels) that every thread gets a tile.
+// Whether tiles of kMinTilePixels hold the layer's float32 columns and product in kTileBytes.
+bool fits_tiles(const ConvParams& p) { return tile_bytes_per_pixel(p, at::kFloat) * kMinTilePixels <= kTileBytes; }
+
+// As large as tile_bytes allows, but small enough (down to kMinTilePixels) that every thread gets a tile; for a
+// half-type layer whose tiles would not fit, whole images up to kMinLargeLayerTilePixels.
 Tiling tiling(const ConvParams& p, at::ScalarType dtype, int64_t threads) {
-  const int64_t most = std::max<int64_t>(1, tile_bytes(p, dtype) / tile_bytes_per_pixel(p, dtype));
+  const int64_t least = is_half_type(dtype) && !fits_tiles(p) ? std::min(p.out_pixels(), kMinLargeLayerTilePixels) : 1;
+  const int64_t most = std::max<int64_t>(least, tile_bytes(p, dtype) / tile_bytes_per_pixel(p, dtype));
   const int64_t enough = std::max(kMinTilePixels, ceil_div(p.out_pixels(), ceil_div(threads, p.batch)));
   int64_t tiles = ceil_div(p.out_pixels(), std::min(most, enough));
   // A whole number of tasks per thread where the tiles stay large enough: at::parallel_for hands each thread one
@@ -99,7 +111,7 @@ void turn_image(const ConvParams& p, const scalar_t* image, scalar_t* turned) {
 // follow the columns (taps outer, channels inner). A GEMM then reads its factor as one contiguous stream instead
 // of one short piece per row a whole weight row apart, which starves it once the weight is larger than the cache.
 // float32: panel c of group g starts at (g * C_out/G + c) * taps * C_in/G. The half types: each panel packed for
-// the half GEMM (pack_weight_panel) in a slot of panel_slot() elements, panel c of group g in slot
+// the half GEMM (pack_panel_from_rows or pack_weight_panel) in a slot of panel_slot() elements, panel c of group g in slot
 // g * panels_per_group + c / kPanelWidth.
 struct WeightPanels {
   at::Tensor data;
@@ -114,33 +126,49 @@ int64_t panel_slot(const ConvParams& p) {
 // of group g at (g * C_out/G + c) * taps * C_in/G: first each output channel's [C_in/G, taps] turned to
 // [taps, C_in/G] (taps_outer), then each panel's rows by blocked transposes. (ATen's copies of the permuted weight
 // took 0.7 ms of S2's bfloat16 forward on the Xeon, 2 threads: 15% of it.)
+// The weight's rows [C_out, taps * C_in/G] in the columns' order: each output channel's [C_in/G, taps] turned to
+// [taps, C_in/G] (taps_outer).
 template <typename scalar_t>
-at::Tensor unpacked_panels(const ConvParams& p, const at::Tensor& weight) {
+at::Tensor rows_in_column_order(const ConvParams& p, const at::Tensor& weight) {
   const int64_t taps = p.taps(), per_channel = p.in_channels_per_group(), per_group = taps * per_channel;
-  const int64_t out_per_group = p.out_channels_per_group();
   const at::Tensor weight_c = weight.contiguous();
   const scalar_t* w = weight_c.const_data_ptr<scalar_t>();
-  at::Tensor turned = weight.new_empty({p.out_channels, per_group});  // [C_out, taps * C_in/G]
+  at::Tensor turned = weight.new_empty({p.out_channels, per_group});
   scalar_t* rows = turned.mutable_data_ptr<scalar_t>();
   at::parallel_for(0, p.out_channels, 8, [&](int64_t begin, int64_t end) {
     taps_outer(w + begin * per_group, end - begin, per_channel, taps, rows + begin * per_group);
   });
-  at::Tensor panels = weight.new_empty({p.out_channels * per_group});
-  scalar_t* to = panels.mutable_data_ptr<scalar_t>();
-  // Tasks: up to kPanelRowsPerTask rows of a panel (S1: its 576 in 3 tasks, S2: 2304 in 9 for each of 4 panels).
+  return turned;
+}
+
+// Calls f(first_row, width, k0, depth) for each task of turning the weight's rows into panels: up to
+// kPanelRowsPerTask rows of a panel (S1: its 576 in 3 tasks, S2: 2304 in 9 for each of 4 panels), in parallel.
+template <typename F>
+void for_each_panel_block(const ConvParams& p, const F& f) {
   constexpr int64_t kPanelRowsPerTask = 256;
+  const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
   const int64_t panels_per_group = ceil_div(out_per_group, kPanelWidth);
   const int64_t depth_blocks = ceil_div(per_group, kPanelRowsPerTask);
   at::parallel_for(0, p.groups * panels_per_group * depth_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t panel = task / depth_blocks, k0 = task % depth_blocks * kPanelRowsPerTask;
       const int64_t g = panel / panels_per_group, c = panel % panels_per_group * kPanelWidth;
-      const int64_t width = std::min(kPanelWidth, out_per_group - c);
-      const int64_t depth = std::min(kPanelRowsPerTask, per_group - k0);
-      const int64_t first_row = g * out_per_group + c;
-      transpose(rows + first_row * per_group + k0, width, depth, per_group, to + first_row * per_group + k0 * width,
-                width);
+      f(g * out_per_group + c, std::min(kPanelWidth, out_per_group - c), k0,
+        std::min(kPanelRowsPerTask, per_group - k0));
     }
+  });
+}
+
+template <typename scalar_t>
+at::Tensor unpacked_panels(const ConvParams& p, const at::Tensor& weight) {
+  const int64_t per_group = p.taps() * p.in_channels_per_group();
+  const at::Tensor turned = rows_in_column_order<scalar_t>(p, weight);
+  const scalar_t* rows = turned.const_data_ptr<scalar_t>();
+  at::Tensor panels = weight.new_empty({p.out_channels * per_group});
+  scalar_t* to = panels.mutable_data_ptr<scalar_t>();
+  for_each_panel_block(p, [&](int64_t first_row, int64_t width, int64_t k0, int64_t depth) {
+    transpose(rows + first_row * per_group + k0, width, depth, per_group, to + first_row * per_group + k0 * width,
+              width);
   });
   return panels;
 }
@@ -149,13 +177,24 @@ template <typename scalar_t>
 WeightPanels weight_panels(const ConvParams& p, const at::Tensor& weight, const HalfGemm& gemm) {
   const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
   const int64_t panels_per_group = ceil_div(out_per_group, kPanelWidth);
-  const at::Tensor unpacked = unpacked_panels<scalar_t>(p, weight);
   if constexpr (std::is_same_v<scalar_t, float>) {
     (void)gemm;
-    return {unpacked, panels_per_group, 0};
+    return {unpacked_panels<scalar_t>(p, weight), panels_per_group, 0};
   } else {
     const int64_t slot = panel_slot(p);
     at::Tensor packed = weight.new_empty({p.groups * panels_per_group * slot});
+    if (gemm.packs_vnni_pairs) {  // from the rows at once, each panel's pairs of rows by one transpose of words
+      const at::Tensor turned = rows_in_column_order<scalar_t>(p, weight);
+      const scalar_t* rows = turned.const_data_ptr<scalar_t>();
+      scalar_t* to = packed.mutable_data_ptr<scalar_t>();
+      for_each_panel_block(p, [&](int64_t first_row, int64_t width, int64_t k0, int64_t depth) {
+        const int64_t g = first_row / out_per_group, c = first_row % out_per_group;
+        pack_panel_from_rows(gemm, depth, width, rows + first_row * per_group + k0, per_group,
+                             to + (g * panels_per_group + c / kPanelWidth) * slot + k0 * packed_width(width));
+      });
+      return {packed, panels_per_group, slot};
+    }
+    const at::Tensor unpacked = unpacked_panels<scalar_t>(p, weight);
     const scalar_t* from = unpacked.const_data_ptr<scalar_t>();
     scalar_t* to = packed.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, p.groups * panels_per_group, 1, [&](int64_t begin, int64_t end) {
@@ -225,18 +264,25 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
           turn_per_thread ? turned : input_c.const_data_ptr<scalar_t>() + n * image_size,
           offsets + p.offset_index(n, 0, 0, 0), masks != nullptr ? masks + p.mask_index(n, 0, 0, 0) : nullptr};
       fill_column_rows(p, in, /*first_image=*/0, first, first + len, columns);
-      // product[:, group g's panel] = columns[:, group g] x panel
-      for (int64_t g = 0; g < p.groups; ++g) {
-        for (int64_t c = 0; c < out_per_group; c += kPanelWidth) {
-          const int64_t width = std::min(kPanelWidth, out_per_group - c);
-          if constexpr (kHalf) {
-            half_gemm_on_this_thread(gemm, len, width, per_group, columns + g * per_group, row_size,
-                                     weights + (g * panels.panels_per_group + c / kPanelWidth) * panels.slot,
-                                     product + g * out_per_group + c, p.out_channels, /*accumulate=*/false);
-          } else {
-            gemm_on_this_thread(len, width, per_group, columns + g * per_group, row_size,
-                                weights + (g * out_per_group + c) * per_group, width, product + g * out_per_group + c,
-                                p.out_channels, /*accumulate=*/false);
+      // product[:, group g's panel] = columns[:, group g] x panel, a depth block of the columns at a time: each
+      // block is read by every panel while it is in cache (a large layer's tile of columns outgrows the L2 cache).
+      // Each sum adds its blocks in order, as a GEMM over the whole depth would.
+      for (int64_t k0 = 0; k0 < per_group; k0 += kDepthBlock) {
+        const int64_t depth = std::min(kDepthBlock, per_group - k0);
+        for (int64_t g = 0; g < p.groups; ++g) {
+          for (int64_t c = 0; c < out_per_group; c += kPanelWidth) {
+            const int64_t width = std::min(kPanelWidth, out_per_group - c);
+            const scalar_t* a = columns + g * per_group + k0;
+            float* to = product + g * out_per_group + c;
+            if constexpr (kHalf) {
+              const scalar_t* panel = weights + (g * panels.panels_per_group + c / kPanelWidth) * panels.slot;
+              half_gemm_on_this_thread(gemm, len, width, depth, a, row_size, panel + k0 * packed_width(width), to,
+                                       p.out_channels, /*accumulate=*/k0 > 0);
+            } else {
+              const scalar_t* panel = weights + (g * out_per_group + c) * per_group;
+              gemm_on_this_thread(len, width, depth, a, row_size, panel + k0 * width, width, to, p.out_channels,
+                                  /*accumulate=*/k0 > 0);
+            }
           }
         }
       }
@@ -262,15 +308,16 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
 
 bool tiled_forward_applies(const ConvParams& p, const at::Tensor& input) {
   const at::ScalarType dtype = input.scalar_type();
-  // Whether the layer's GEMMs get enough pixels per weight element streamed: judged as when every tile held
-  // float32 columns and product, and for the half types their rounded columns as well. (A half-type layer whose
-  // tiles fit only since its columns take half the bytes, 512 channels at 3x3, ran slower tiled than on the
-  // driver's path.)
-  const int64_t rounded_columns = is_half_type(dtype) ? p.taps() * p.in_channels * 2 : 0;
-  if ((tile_bytes_per_pixel(p, at::kFloat) + rounded_columns) * kMinTilePixels > kTileBytes) return false;
-  if (dtype == at::kFloat) return batch_reduce_gemm_works();
-  return is_half_type(dtype) && p.taps() * p.in_channels_per_group() % 2 == 0 &&
-         half_gemm_for(dtype).uses_native_path();
+  if (dtype == at::kFloat) return fits_tiles(p) && batch_reduce_gemm_works();
+  if (!is_half_type(dtype) || p.taps() * p.in_channels_per_group() % 2 != 0 ||
+      !half_gemm_for(dtype).uses_native_path()) {
+    return false;
+  }
+  // A half-type layer whose tiles would not fit takes tiles of whole images (kMinLargeLayerTilePixels), unless its
+  // weight is large against all its rows: the driver's matrix products then read it once (bfloat16 on the Xeon, 2
+  // threads: 512 channels at 14x14, one image, 1.10 ms there and 1.28 ms tiled; 1024 channels at 7x7, 2 images,
+  // 2.34 ms and 3.42 ms).
+  return fits_tiles(p) || !rows_gemm_pays(p, p.batch * p.out_pixels(), dtype);
 }
 
 at::Tensor tiled_forward(const ConvParams& p, const at::Tensor& input, const at::Tensor& offset,

@@ -2,10 +2,11 @@
 // the columns of a tile of output pixels into a buffer that stays in cache, multiplies them by the weight at once
 // (ATen's batch-reduce GEMM: oneDNN's microkernels, one thread each), and writes the product into the output,
 // transposed to channels-first, with the bias. bfloat16 and float16 layers take the same path where the CPU
-// multiplies them natively (half_gemm.h): the sampling in float32 from a float32 copy of each image, the columns
-// rounded once to the half type for the GEMM, which sums in float32, and the output rounded once. On the driver's path (columns_driver.h) the columns of a whole
-// chunk go out to memory and come back for the GEMM, and the output makes a round trip in channels-last: for a
-// layer of 64 channels at 56x56 that traffic costs about as much as the sampling itself.
+// multiplies them natively (half_gemm.h): the sampling in float32 from the image in its type (widened as it is
+// loaded), the columns rounded once to the half type for the GEMM, which sums in float32, and the output rounded
+// once; where their tiles would not fit, in tiles of whole images. On the driver's path (columns_driver.h) the
+// columns of a whole chunk go out to memory and come back for the GEMM, and the output makes a round trip in
+// channels-last: for a layer of 64 channels at 56x56 that traffic costs about as much as the sampling itself.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,10 +18,10 @@
 namespace deform_conv {
 namespace cpu {
 
-// Whether tiled_forward serves this layer: tiles of at least 32 pixels within 512 KiB of columns and product
-// (float32: taps * C_in + C_out <= 4096), and float32 with the batch-reduce GEMM on oneDNN
-// (batch_reduce_gemm_works), or a half type with a half GEMM (half_gemm_for) and an even taps * C_in/groups
-// (the depth of the half types' packed weight comes in pairs of rows).
+// Whether tiled_forward serves this layer: float32 with the batch-reduce GEMM on oneDNN (batch_reduce_gemm_works)
+// and tiles of at least 32 pixels within 512 KiB of columns and product (taps * C_in + C_out <= 4096); or a half
+// type with a half GEMM (half_gemm_for), an even taps * C_in/groups (the depth of the half types' packed weight comes
+// in pairs of rows), and such tiles or else rows enough against its weight (columns_driver.h's rows_gemm_pays).
 bool tiled_forward_applies(const ConvParams& p, const at::Tensor& input);
 
 // `p` comes from make_conv_params on the same tensors (which validates them).

@@ -15,29 +15,31 @@ namespace cpu {
 namespace {
 
 #if defined(__GNUC__)
-// One 16x16 block of 16-bit values turned over in registers, bit for bit: each value in a 32-bit lane of its own
-// (zero-extended: the shuffles move bits, they compute nothing).
-inline void transpose_bits_block(const uint16_t* src, int64_t ld_src, uint16_t* dst, int64_t ld_dst) {
+// One 16x16 block of 16-bit or 32-bit values turned over in registers, bit for bit: each value in a 32-bit lane of
+// its own (16-bit ones zero-extended: the shuffles move bits, they compute nothing).
+template <typename T>
+inline void transpose_bits_block(const T* src, int64_t ld_src, T* dst, int64_t ld_dst) {
+  using Row = std::conditional_t<sizeof(T) == 2, HalfBitLanes, BitLanes>;
   FloatLanes lanes[kSumLanes];
   for (int i = 0; i < kSumLanes; ++i) {
-    HalfBitLanes half;
-    std::memcpy(&half, src + i * ld_src, sizeof(half));
-    const BitLanes bits = __builtin_convertvector(half, BitLanes);
+    Row row;
+    std::memcpy(&row, src + i * ld_src, sizeof(row));
+    const BitLanes bits = __builtin_convertvector(row, BitLanes);
     std::memcpy(&lanes[i], &bits, sizeof(bits));
   }
   transpose_lanes(lanes);
   for (int j = 0; j < kSumLanes; ++j) {
     BitLanes bits;
     std::memcpy(&bits, &lanes[j], sizeof(bits));
-    const HalfBitLanes half = __builtin_convertvector(bits, HalfBitLanes);
-    std::memcpy(dst + j * ld_dst, &half, sizeof(half));
+    const Row row = __builtin_convertvector(bits, Row);
+    std::memcpy(dst + j * ld_dst, &row, sizeof(row));
   }
 }
 #endif
 
 // In blocks of 16 rows of src: the lines they span stay in the L1 cache while every column reads them, and each
 // row of dst is written 16 contiguous values at a time; whole 16x16 blocks turned over in registers. T: float
-// (with `add`), or uint16_t, the bits of a half type (`add` nullptr).
+// (with `add`), or uint16_t or uint32_t, the bits of one or two values of a half type (`add` nullptr).
 template <typename T>
 DC_CPU_DISPATCH void transpose_in_blocks(const T* src, int64_t rows, int64_t cols, int64_t ld_src, T* dst,
                                          int64_t ld_dst, const float* add) {
@@ -128,6 +130,10 @@ void transpose(const half_t* src, int64_t rows, int64_t cols, int64_t ld_src, ha
 
 template void transpose<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, int64_t, c10::BFloat16*, int64_t);
 template void transpose<c10::Half>(const c10::Half*, int64_t, int64_t, int64_t, c10::Half*, int64_t);
+
+void transpose(const uint32_t* src, int64_t rows, int64_t cols, int64_t ld_src, uint32_t* dst, int64_t ld_dst) {
+  transpose_in_blocks(src, rows, cols, ld_src, dst, ld_dst, nullptr);
+}
 
 void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst, int64_t ld_dst,
                const float* add) {

@@ -15,6 +15,10 @@ void transpose(const float* src, int64_t rows, int64_t cols, int64_t ld_src, flo
 template <typename half_t>
 void transpose(const half_t* src, int64_t rows, int64_t cols, int64_t ld_src, half_t* dst, int64_t ld_dst);
 
+// The same for 32-bit words, moved as they are: pairs of a half type's values (the packed weight's VNNI pairs,
+// half_gemm.h).
+void transpose(const uint32_t* src, int64_t rows, int64_t cols, int64_t ld_src, uint32_t* dst, int64_t ld_dst);
+
 // dst[r, t, c] = src[r, c, t] for r < rows, c < channels, t < taps: each row's [channels, taps] turned over (a
 // weight [C_out, C_in/G, kh, kw] into the columns' order, taps outer). float32, or a half type's bits moved as
 // they are.
