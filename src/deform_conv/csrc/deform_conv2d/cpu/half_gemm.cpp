@@ -235,16 +235,19 @@ void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const sou
 }
 
 template <typename half_t>
-void pack_panel_from_rows(const HalfGemm& gemm, int64_t k, int64_t width, const half_t* rows, int64_t ld_rows,
-                          half_t* packed) {
-  TORCH_CHECK(gemm.packs_vnni_pairs && width <= kPanelWidth && k % 2 == 0 && ld_rows % 2 == 0 &&
-                  reinterpret_cast<uintptr_t>(rows) % sizeof(uint32_t) == 0 &&
+void pack_panel_columns(const HalfGemm& gemm, int64_t k, int64_t count, const half_t* rows, int64_t ld_rows,
+                        int64_t j0, int64_t ld, half_t* packed) {
+  TORCH_CHECK(gemm.packs_vnni_pairs && j0 + count <= ld && ld <= packed_width(kPanelWidth) && k % 2 == 0 &&
+                  ld_rows % 2 == 0 && reinterpret_cast<uintptr_t>(rows) % sizeof(uint32_t) == 0 &&
                   reinterpret_cast<uintptr_t>(packed) % sizeof(uint32_t) == 0,
-              "deform_conv: pack_panel_from_rows(k=", k, ", width=", width, ", ld_rows=", ld_rows, ")");
-  const int64_t ld = packed_width(width);
-  if (width < ld) std::fill(packed, packed + k * ld, half_t(0.f));
-  transpose(reinterpret_cast<const uint32_t*>(rows), width, k / 2, ld_rows / 2, reinterpret_cast<uint32_t*>(packed),
-            ld);
+              "deform_conv: pack_panel_columns(k=", k, ", count=", count, ", ld_rows=", ld_rows, ", j0=", j0,
+              ", ld=", ld, ")");
+  uint32_t* words = reinterpret_cast<uint32_t*>(packed);
+  const int64_t padded_to = std::min(ld, packed_width(j0 + count));
+  if (j0 + count < padded_to) {
+    for (int64_t r = 0; r < k / 2; ++r) std::fill(words + r * ld + j0 + count, words + r * ld + padded_to, 0u);
+  }
+  transpose(reinterpret_cast<const uint32_t*>(rows), count, k / 2, ld_rows / 2, words + j0, ld);
 }
 
 template <typename half_t>
@@ -266,7 +269,7 @@ void release_half_gemm_context(const HalfGemm& gemm) {
 #define DEFORM_CONV_INSTANTIATE(T)                                                                          \
   template void pack_weight_panel<T, T>(const HalfGemm&, int64_t, int64_t, const T*, int64_t, T*);         \
   template void pack_weight_panel<T, float>(const HalfGemm&, int64_t, int64_t, const float*, int64_t, T*); \
-  template void pack_panel_from_rows<T>(const HalfGemm&, int64_t, int64_t, const T*, int64_t, T*);             \
+  template void pack_panel_columns<T>(const HalfGemm&, int64_t, int64_t, const T*, int64_t, int64_t, int64_t, T*); \
   template void half_gemm_on_this_thread<T>(const HalfGemm&, int64_t, int64_t, int64_t, const T*, int64_t,  \
                                             const T*, float*, int64_t, bool);
 DEFORM_CONV_INSTANTIATE(c10::BFloat16)

@@ -53,12 +53,14 @@ template <typename half_t, typename source_t>
 void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const source_t* b, int64_t ld_b,
                        half_t* packed);
 
-// The same panel given as its transpose, `rows` [width, k] (leading dimension ld_rows, both even, k even), where
-// gemm.packs_vnni_pairs: each pair of the panel's rows is then a column of rows' 32-bit words, and one transpose of
-// those words packs it, bit for bit as pack_weight_panel would.
+// Columns [j0, j0 + count) of a packed panel (its packed width ld, at `packed`) from their rows `rows` [count, k]
+// (leading dimension ld_rows; k and ld_rows even), where gemm.packs_vnni_pairs: each pair of the panel's rows is
+// then a column of rows' 32-bit words, and one transpose of those words packs them, bit for bit as
+// pack_weight_panel would. Columns past j0 + count up to the next multiple of 16 (the packing's padding, for the
+// last columns of a panel) are zeroed.
 template <typename half_t>
-void pack_panel_from_rows(const HalfGemm& gemm, int64_t k, int64_t width, const half_t* rows, int64_t ld_rows,
-                          half_t* packed);
+void pack_panel_columns(const HalfGemm& gemm, int64_t k, int64_t count, const half_t* rows, int64_t ld_rows,
+                        int64_t j0, int64_t ld, half_t* packed);
 
 // c[m, n] = a[m, k] x packed[k, n] (or c += with `accumulate`), k even, a row-major with leading dimension ld_a,
 // `packed` from pack_weight_panel, c float32; on the calling thread.

@@ -122,10 +122,6 @@ int64_t panel_slot(const ConvParams& p) {
   return p.taps() * p.in_channels_per_group() * packed_width(std::min(kPanelWidth, p.out_channels_per_group()));
 }
 
-// The weight's panels, each [taps * C_in/G, width] (see WeightPanels; of float32 or the half type alike), panel c
-// of group g at (g * C_out/G + c) * taps * C_in/G: first each output channel's [C_in/G, taps] turned to
-// [taps, C_in/G] (taps_outer), then each panel's rows by blocked transposes. (ATen's copies of the permuted weight
-// took 0.7 ms of S2's bfloat16 forward on the Xeon, 2 threads: 15% of it.)
 // The weight's rows [C_out, taps * C_in/G] in the columns' order: each output channel's [C_in/G, taps] turned to
 // [taps, C_in/G] (taps_outer).
 template <typename scalar_t>
@@ -141,36 +137,61 @@ at::Tensor rows_in_column_order(const ConvParams& p, const at::Tensor& weight) {
   return turned;
 }
 
-// Calls f(first_row, width, k0, depth) for each task of turning the weight's rows into panels: up to
-// kPanelRowsPerTask rows of a panel (S1: its 576 in 3 tasks, S2: 2304 in 9 for each of 4 panels), in parallel.
-template <typename F>
-void for_each_panel_block(const ConvParams& p, const F& f) {
-  constexpr int64_t kPanelRowsPerTask = 256;
+// The weight's panels, each [taps * C_in/G, width] (see WeightPanels; of float32 or the half type alike), panel c
+// of group g at (g * C_out/G + c) * taps * C_in/G: first the rows in the columns' order, then each panel's rows by
+// blocked transposes. (ATen's copies of the permuted weight took 0.7 ms of S2's bfloat16 forward on the Xeon, 2
+// threads: 15% of it.)
+template <typename scalar_t>
+at::Tensor unpacked_panels(const ConvParams& p, const at::Tensor& weight) {
   const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
+  const at::Tensor turned = rows_in_column_order<scalar_t>(p, weight);
+  const scalar_t* rows = turned.const_data_ptr<scalar_t>();
+  at::Tensor panels = weight.new_empty({p.out_channels * per_group});
+  scalar_t* to = panels.mutable_data_ptr<scalar_t>();
+  // Tasks: up to kPanelRowsPerTask rows of a panel (S1: its 576 in 3 tasks, S2: 2304 in 9 for each of 4 panels).
+  constexpr int64_t kPanelRowsPerTask = 256;
   const int64_t panels_per_group = ceil_div(out_per_group, kPanelWidth);
   const int64_t depth_blocks = ceil_div(per_group, kPanelRowsPerTask);
   at::parallel_for(0, p.groups * panels_per_group * depth_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t panel = task / depth_blocks, k0 = task % depth_blocks * kPanelRowsPerTask;
       const int64_t g = panel / panels_per_group, c = panel % panels_per_group * kPanelWidth;
-      f(g * out_per_group + c, std::min(kPanelWidth, out_per_group - c), k0,
-        std::min(kPanelRowsPerTask, per_group - k0));
+      const int64_t width = std::min(kPanelWidth, out_per_group - c);
+      const int64_t depth = std::min(kPanelRowsPerTask, per_group - k0);
+      const int64_t first_row = g * out_per_group + c;
+      transpose(rows + first_row * per_group + k0, width, depth, per_group, to + first_row * per_group + k0 * width,
+                width);
     }
   });
+  return panels;
 }
 
+// The half types' panels where the GEMM reads VNNI pairs: each task turns the rows of 16 output channels to the
+// columns' order (taps_outer) into a buffer that stays in the L2 cache, and packs them at once as 16 columns of
+// their panel (pack_panel_columns). The weight is read once and its panels written once: turned whole first, S3's
+// 4.7 MB of weight made a round trip through memory, 0.2 ms of its 1.6 ms forward on the Xeon.
 template <typename scalar_t>
-at::Tensor unpacked_panels(const ConvParams& p, const at::Tensor& weight) {
-  const int64_t per_group = p.taps() * p.in_channels_per_group();
-  const at::Tensor turned = rows_in_column_order<scalar_t>(p, weight);
-  const scalar_t* rows = turned.const_data_ptr<scalar_t>();
-  at::Tensor panels = weight.new_empty({p.out_channels * per_group});
-  scalar_t* to = panels.mutable_data_ptr<scalar_t>();
-  for_each_panel_block(p, [&](int64_t first_row, int64_t width, int64_t k0, int64_t depth) {
-    transpose(rows + first_row * per_group + k0, width, depth, per_group, to + first_row * per_group + k0 * width,
-              width);
+void pack_vnni_panels(const ConvParams& p, const at::Tensor& weight, const HalfGemm& gemm, int64_t slot,
+                      scalar_t* packed) {
+  constexpr int64_t kColumnsPerTask = 16;
+  const int64_t taps = p.taps(), per_channel = p.in_channels_per_group(), per_group = taps * per_channel;
+  const int64_t out_per_group = p.out_channels_per_group(), panels_per_group = ceil_div(out_per_group, kPanelWidth);
+  const at::Tensor weight_c = weight.contiguous();
+  const scalar_t* w = weight_c.const_data_ptr<scalar_t>();
+  constexpr int64_t kTasksPerPanel = kPanelWidth / kColumnsPerTask;
+  at::parallel_for(0, p.groups * panels_per_group * kTasksPerPanel, 1, [&](int64_t begin, int64_t end) {
+    scalar_t* rows = static_cast<scalar_t*>(
+        scratch_bytes(ScratchSlot::half_factors, kColumnsPerTask * per_group * int64_t(sizeof(scalar_t))));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t panel = task / kTasksPerPanel, j0 = task % kTasksPerPanel * kColumnsPerTask;
+      const int64_t g = panel / panels_per_group, c = panel % panels_per_group * kPanelWidth;
+      const int64_t width = std::min(kPanelWidth, out_per_group - c);
+      if (j0 >= width) continue;
+      const int64_t count = std::min(kColumnsPerTask, width - j0);
+      taps_outer(w + (g * out_per_group + c + j0) * per_group, count, per_channel, taps, rows);
+      pack_panel_columns(gemm, per_group, count, rows, per_group, j0, packed_width(width), packed + panel * slot);
+    }
   });
-  return panels;
 }
 
 template <typename scalar_t>
@@ -183,20 +204,13 @@ WeightPanels weight_panels(const ConvParams& p, const at::Tensor& weight, const 
   } else {
     const int64_t slot = panel_slot(p);
     at::Tensor packed = weight.new_empty({p.groups * panels_per_group * slot});
-    if (gemm.packs_vnni_pairs) {  // from the rows at once, each panel's pairs of rows by one transpose of words
-      const at::Tensor turned = rows_in_column_order<scalar_t>(p, weight);
-      const scalar_t* rows = turned.const_data_ptr<scalar_t>();
-      scalar_t* to = packed.mutable_data_ptr<scalar_t>();
-      for_each_panel_block(p, [&](int64_t first_row, int64_t width, int64_t k0, int64_t depth) {
-        const int64_t g = first_row / out_per_group, c = first_row % out_per_group;
-        pack_panel_from_rows(gemm, depth, width, rows + first_row * per_group + k0, per_group,
-                             to + (g * panels_per_group + c / kPanelWidth) * slot + k0 * packed_width(width));
-      });
+    scalar_t* to = packed.mutable_data_ptr<scalar_t>();
+    if (gemm.packs_vnni_pairs) {
+      pack_vnni_panels(p, weight, gemm, slot, to);
       return {packed, panels_per_group, slot};
     }
     const at::Tensor unpacked = unpacked_panels<scalar_t>(p, weight);
     const scalar_t* from = unpacked.const_data_ptr<scalar_t>();
-    scalar_t* to = packed.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, p.groups * panels_per_group, 1, [&](int64_t begin, int64_t end) {
       for (int64_t panel = begin; panel < end; ++panel) {
         const int64_t g = panel / panels_per_group, c = panel % panels_per_group * kPanelWidth;
