@@ -81,7 +81,7 @@ def float32_rounded(case, tensors, half):
 
 # Shapes that reach every part of the native path: one image per thread and fewer images than threads (the input
 # turned per thread, or up front), panels of 64 output channels and a narrower last one (packed to a width of
-# 16), depth blocks of 512 rows (taps * C_in/G = 576; in the backward 400 pixels and more), many tiles per image,
+# 16), depth blocks of 512 rows (taps * C_in/G = 576; in the backward 400 pixels and more), two tiles an image,
 # odd depths, weight and offset groups that do not nest, stride, dilation, no mask, no bias.
 NATIVE_SHAPES = {
     "awkward": dict(),
@@ -90,6 +90,10 @@ NATIVE_SHAPES = {
                                 kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1)),
     "many_tiles": dict(batch=2, in_channels=32, out_channels=20, groups=1, offset_groups=1, size=(24, 25),
                        kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1)),
+    # 1,936 pixels of 1.2 KiB (576 half columns, 16 float32 outputs): two tiles an image within the half types'
+    # 2 MiB.
+    "two_tiles_an_image": dict(batch=2, in_channels=64, out_channels=16, groups=1, offset_groups=1, size=(44, 44),
+                               kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1)),
     # 5x7 output pixels and 3 output channels per group: odd depths in both backward GEMMs, padded to pairs.
     "odd_depths": dict(in_channels=6, out_channels=6, size=(11, 8)),
     "no_mask_no_bias": dict(batch=2, in_channels=12, out_channels=10, groups=2, offset_groups=4, with_mask=False,
