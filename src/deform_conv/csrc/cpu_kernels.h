@@ -38,10 +38,11 @@
 // (cpu_lanes.h): naming AVX512-BF16 in the target turns on AVX512BW too, with which GCC 12 left the family's
 // bfloat16 loops scalar (DCNv3's bfloat16 forward ran 1.8x slower).
 #define DC_CPU_ISA "avx512f"
-#define DC_CPU_ISA_NAME "avx512f, avx512dq, avx512vl and avx512bf16"
+#define DC_CPU_ISA_NAME "avx512f, avx512bw, avx512dq, avx512vl and avx512bf16"
 #define DC_CPU_HAS_ISA                                                                                     \
-  (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&                               \
-   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16"))
+  (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&                               \
+   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&                              \
+   __builtin_cpu_supports("avx512bf16"))
 #elif DC_CPU_VECTOR_BITS == 512
 #define DC_CPU_ISA "avx512f"
 #elif DC_CPU_VECTOR_BITS == 256

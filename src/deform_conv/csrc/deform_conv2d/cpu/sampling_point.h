@@ -88,8 +88,9 @@ struct Corners {
 // even as torch rounds, a NaN staying a NaN). The pixels are scalar_t's, or for float a half type's (the half
 // types' images), widened exactly as they are loaded. In float, in vector registers to the last channel
 // (for_float_blocks), 16 channels at a time widened and rounded there too (cpu_lanes.h): the same operations for
-// every element, so the same bits as the plain loop.
-template <typename scalar_t, typename column_t, typename image_t>
+// every element, so the same bits as the plain loop. `in_pairs`: bfloat16 corners and columns 32 channels at a time
+// where the library has AVX512-BF16 (interpolate_bfloat16_pairs), the same bits again.
+template <bool in_pairs = false, typename scalar_t, typename column_t, typename image_t>
 inline void interpolate_corners(const Corners<scalar_t, image_t>& k, int64_t channel, int64_t len, bool masked,
                                 scalar_t m, column_t* __restrict__ dst) {
   const image_t *__restrict__ p0 = k.pixel[0] + channel, *__restrict__ p1 = k.pixel[1] + channel;
@@ -97,7 +98,17 @@ inline void interpolate_corners(const Corners<scalar_t, image_t>& k, int64_t cha
   const scalar_t w0 = k.weight[0], w1 = k.weight[1], w2 = k.weight[2], w3 = k.weight[3];
 #if defined(__GNUC__)
   if constexpr (std::is_same_v<scalar_t, float>) {
-    for_float_blocks(len, [&](const auto& tag, int64_t c) {
+    int64_t first = 0;  // channels [0, first) done in pairs
+#if defined(DC_CPU_AVX512_BF16)
+    if constexpr (in_pairs && std::is_same_v<image_t, c10::BFloat16> && std::is_same_v<column_t, c10::BFloat16>) {
+      for (; first + 2 * kSumLanes <= len; first += 2 * kSumLanes) {
+        const c10::BFloat16* pixel[4] = {p0 + first, p1 + first, p2 + first, p3 + first};
+        interpolate_bfloat16_pairs(pixel, k.weight, masked, m, dst + first);
+      }
+    }
+#endif
+    for_float_blocks(len - first, [&, first](const auto& tag, int64_t block) {
+      const int64_t c = first + block;
       using V = std::decay_t<decltype(tag)>;
       V v0, v1, v2, v3;
       load_block(p0 + c, v0);
