@@ -26,14 +26,6 @@ namespace {
 #define DC_HALF_BRGEMM 1
 #endif
 
-bool cpu_supports(const char* feature) {
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-  if (std::strcmp(feature, "avx512bf16") == 0) return __builtin_cpu_supports("avx512bf16");
-#endif
-  (void)feature;
-  return false;
-}
-
 template <typename half_t>
 void brgemm_call(int64_t m, int64_t n, int64_t k, int64_t ld_a, int64_t ld_b, int64_t ld_c, bool add_c,
                  const half_t* a, const half_t* b, float* c, bool vnni) {
@@ -96,23 +88,16 @@ bool aten_packs_vnni_pairs(const HalfGemm& gemm) {
 }
 
 template <typename half_t>
-HalfGemm probe(c10::ScalarType dtype) {
-  using Layout = HalfGemm::Layout;
-  std::vector<HalfGemm> candidates{{Layout::aten_packed, true}};  // AMX (AMX-FP16 for float16): ATen packs for it
-  // Without AMX, bfloat16 on AVX512-BF16's microkernels; not on plain AVX-512, where oneDNN would emulate the half
-  // types more slowly than float32 runs. Not float16 on AVX512-FP16's: on a Sapphire Rapids Xeon (AVX512-FP16, no
-  // AMX-FP16) its layers took 1.4-1.9 times as long as in float32, forward and backward.
-  if (dtype == c10::kBFloat16 && cpu_supports("avx512bf16")) {
-    candidates.push_back({Layout::vnni_pairs, true});
-    candidates.push_back({Layout::plain, true});
-  }
-  for (HalfGemm& candidate : candidates) {
-    if (!computes_exactly<half_t>(candidate)) continue;
-    candidate.packs_vnni_pairs = candidate.layout == Layout::vnni_pairs ||
-                                 (candidate.layout == Layout::aten_packed && aten_packs_vnni_pairs<half_t>(candidate));
-    return candidate;
-  }
-  return {};
+HalfGemm probe() {
+  // AMX (AMX-FP16 for float16), with ATen packing for it. Not the microkernels of AVX512-BF16 or AVX512-FP16 alone:
+  // on a Sapphire Rapids Xeon, bfloat16 layers on AVX512-BF16's (oneDNN limited to them, ONEDNN_MAX_CPU_ISA=
+  // AVX512_CORE_BF16) ran at 0.60-0.77 times float32's speed forward and 0.63-0.93 forward+backward, where the
+  // float32 path ran them at 0.77-1.02 and 0.83-0.95 (their dot products of pairs do no more multiply-adds a cycle
+  // than float32's); float16 layers on AVX512-FP16's took 1.4-1.9 times as long as in float32.
+  HalfGemm candidate{HalfGemm::Layout::aten_packed, true};
+  if (!computes_exactly<half_t>(candidate)) return {};
+  candidate.packs_vnni_pairs = aten_packs_vnni_pairs<half_t>(candidate);
+  return candidate;
 }
 
 }  // namespace
@@ -139,10 +124,10 @@ HalfGemm half_gemm_for(c10::ScalarType dtype) {
   // oneDNN off (torch.backends.mkldnn.enabled = False): ATen would not call it; probed the first time it is on.
   if (!at::hasMKLDNN() || !at::globalContext().userEnabledMkldnn()) return {};
   if (dtype == c10::kBFloat16) {
-    static const HalfGemm bfloat16 = probe<c10::BFloat16>(dtype);
+    static const HalfGemm bfloat16 = probe<c10::BFloat16>();
     return bfloat16;
   }
-  static const HalfGemm float16 = probe<c10::Half>(dtype);
+  static const HalfGemm float16 = probe<c10::Half>();
   return float16;
 #else
   return {};
@@ -154,15 +139,11 @@ std::string cpu_half_path(c10::ScalarType dtype) {
               "cpu_half_path: dtype must be torch.bfloat16 or torch.float16, got ", dtype);
   const std::string name = dtype == c10::kBFloat16 ? "bfloat16" : "float16";
   const HalfGemm gemm = half_gemm_for(dtype);
-  const char* isa = dtype == c10::kBFloat16 ? "AVX512-BF16" : "AVX512-FP16";
   switch (gemm.layout) {
     case HalfGemm::Layout::aten_packed:
       return name + ": native, " + name + " GEMMs on oneDNN's AMX microkernels (weights packed " +
              (gemm.packs_vnni_pairs ? "in VNNI pairs, as ATen packs them)" : "by ATen)");
-    case HalfGemm::Layout::vnni_pairs:
-      return name + ": native, " + name + " GEMMs on oneDNN's " + isa + " microkernels (weights in VNNI pairs)";
     case HalfGemm::Layout::plain:
-      if (gemm.vnni) return name + ": native, " + name + " GEMMs on oneDNN's " + isa + " microkernels";
       return name + ": " + name + " GEMMs on ATen's portable GEMM (DEFORM_CONV_CPU_HALF_GEMM=portable)";
     case HalfGemm::Layout::none:
       break;
@@ -170,12 +151,9 @@ std::string cpu_half_path(c10::ScalarType dtype) {
   if (half_gemm_choice() == HalfGemmChoice::float32) {
     return name + ": computed in float32 (DEFORM_CONV_CPU_HALF_GEMM=float32)";
   }
-  if (dtype == c10::kHalf) {
-    return name + ": computed in float32 (no native float16 GEMM here: it needs AMX-FP16 and oneDNN on; "
-                  "AVX512-FP16's microkernels ran slower than float32)";
-  }
-  return name + ": computed in float32 (no native " + name + " GEMM here: it needs AMX or " + isa +
-         " and oneDNN on)";
+  const bool bfloat16 = dtype == c10::kBFloat16;
+  return name + ": computed in float32 (no native " + name + " GEMM here: it needs " + (bfloat16 ? "AMX" : "AMX-FP16") +
+         " and oneDNN on; " + (bfloat16 ? "AVX512-BF16" : "AVX512-FP16") + "'s microkernels ran slower than float32)";
 }
 
 int64_t packed_width(int64_t width) { return (width + 15) / 16 * 16; }
@@ -217,11 +195,6 @@ void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const sou
       case HalfGemm::Layout::aten_packed:
         at::native::cpublas::pack(padded, width, width, ld, c10::CppTypeToScalarType<half_t>::value,
                                   c10::CppTypeToScalarType<half_t>::value, staged.data(), to);
-        break;
-      case HalfGemm::Layout::vnni_pairs:  // rows 2r and 2r + 1 interleaved: element (r, j) at r/2 * 2ld + 2j + r%2
-        for (int64_t r = 0; r < padded; ++r) {
-          for (int64_t j = 0; j < width; ++j) to[r / 2 * 2 * ld + 2 * j + r % 2] = staged[r * width + j];
-        }
         break;
       case HalfGemm::Layout::plain:
         for (int64_t r = 0; r < padded; ++r) {

@@ -1,10 +1,9 @@
 // The half types' GEMMs (bfloat16 and float16 factors, float32 sums) on ATen's batch-reduce GEMM, where it runs
-// them on oneDNN's half-precision microkernels: AMX (AMX-FP16 for float16), AVX512-BF16 for bfloat16 (not AVX512-FP16
-// for float16: slower than float32 on a Sapphire Rapids Xeon). Which of these the CPU has, and
-// the layout in which each wants the weight (packed by ATen for AMX, in pairs of rows -- VNNI -- or plain), is
-// decided once per process by running each candidate on a small product whose result is known exactly: a
-// candidate that oneDNN refuses (ATen raises) or that computes anything else is not used. Where none works, the
-// half types are computed in float32 as before (deform_conv_cpu.cpp).
+// them on oneDNN's AMX microkernels (AMX-FP16 for float16): not on AVX512-BF16's or AVX512-FP16's alone, which ran
+// slower than float32 on a Sapphire Rapids Xeon (half_gemm.cpp's probe). Whether the CPU has them, and whether ATen
+// packs the weight for them in VNNI pairs, is decided once per process by running them on a small product whose
+// result is known exactly: where oneDNN refuses (ATen raises) or computes anything else, the half types are
+// computed in float32 as before (deform_conv_cpu.cpp).
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -23,11 +22,13 @@ HalfGemmChoice half_gemm_choice();
 
 // How this process multiplies half-type factors, for one dtype.
 struct HalfGemm {
-  enum class Layout { none, aten_packed, vnni_pairs, plain };
-  Layout layout = Layout::none;  // none: no native GEMM here; the half types run in float32
-  bool vnni = false;             // passed to ATen's brgemm: whether it may run oneDNN's microkernels
+  // none: no native GEMM here, the half types run in float32; aten_packed: AMX, the weight packed by ATen; plain:
+  // ATen's portable GEMM (DEFORM_CONV_CPU_HALF_GEMM=portable).
+  enum class Layout { none, aten_packed, plain };
+  Layout layout = Layout::none;
+  bool vnni = false;  // passed to ATen's brgemm: whether it may run oneDNN's microkernels
   // Whether a packed panel holds the rows in VNNI pairs, element (r, j) at r/2 * 2ld + 2j + r%2 (ld its packed
-  // width): Layout::vnni_pairs, and ATen's packing for AMX where the probe finds that it writes them so.
+  // width): where the probe finds that ATen's packing for AMX writes them so.
   bool packs_vnni_pairs = false;
   bool uses_native_path() const { return layout != Layout::none; }
 };
