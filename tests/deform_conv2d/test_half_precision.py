@@ -173,14 +173,15 @@ def test_depthwise_layers_run_in_float32(half):
 
 @HALF_TYPES
 @pytest.mark.parametrize("kwargs", [dict(in_channels=3, out_channels=4, groups=1, offset_groups=3, kernel=(3, 3)),
-                                    dict(batch=1, in_channels=320, out_channels=8, groups=1, offset_groups=2,
+                                    dict(batch=1, in_channels=512, out_channels=8, groups=1, offset_groups=2,
                                          kernel=(3, 3), size=(5, 6), padding=(1, 1), stride=(1, 1), dilation=(1, 1))],
-                         ids=["odd_depth", "tiles_over_512KiB"])
+                         ids=["odd_depth", "weight_large_against_rows"])
 def test_native_forward_on_the_driver(half, kwargs):
     """Layers the tiled path does not take -- an odd taps * C_in/groups (27 here: the tiled path packs the
-    weight's depth in pairs), or 32 pixels of columns over 512 KiB (9 * 320 columns, 6 + 4 bytes each: 0.9 MiB)
-    -- run the driver's columns through the half type's GEMMs (a convolution for the first; matrix products for the
-    second, whose 30 rows are few against its 2,880 columns): within the same rounding."""
+    weight's depth in pairs), or float32 tiles that would not fit (32 pixels of 9 * 512 columns and 8 outputs, 4
+    bytes each: 590 KiB) with few rows against the weight (30 against 4,608 columns) -- run the driver's columns
+    through the half type's GEMMs (a convolution for the first, matrix products for the second): within the same
+    rounding."""
     case = make_case(torch.float32, **kwargs)
     tensors = halves(case, half)
     with half_gemm_path("portable"):
@@ -213,11 +214,13 @@ def test_native_forward_of_a_layer_whose_tiles_do_not_fit(half, batch, tiled):
 
 
 @HALF_TYPES
-def test_native_forward_of_a_layer_whose_tiles_do_not_fit_here(half):
-    """The same tiled layer on this CPU's own path. With AMX its weight is packed into VNNI pairs by one transpose
-    of 32-bit words (cpu_half_path says so; the library checked that ATen packs the same bits when it chose the
-    path). Without a native path, the float32 path rounded, bit for bit."""
-    case = make_case(torch.float32, **LARGE_LAYER, batch=2)
+@pytest.mark.parametrize("groups", [1, 2])
+def test_native_forward_of_a_layer_whose_tiles_do_not_fit_here(half, groups):
+    """The same tiled layer on this CPU's own path, and in two weight groups (40 output channels each: a panel of
+    16, 16 and 8 columns, packed to 48). With AMX its weight is packed into VNNI pairs by one transpose of 32-bit
+    words (cpu_half_path says so; the library checked that ATen packs the same bits when it chose the path).
+    Without a native path, the float32 path rounded, bit for bit."""
+    case = make_case(torch.float32, **dict(LARGE_LAYER, groups=groups), batch=2)
     tensors = halves(case, half)
     with half_gemm_path("auto"):
         if not native_here(half):
@@ -462,7 +465,7 @@ def test_native_columns_are_rounded_as_torch_rounds(half, channels):
 @HALF_TYPES
 def test_native_columns_are_rounded_as_torch_rounds_on_the_driver(half):
     """The same on the driver's path (its columns filled in the half type for its GEMM in the half type): 2,050
-    channels, too many for the tiled forward's tiles and too few rows (12) for its whole-image tiles."""
+    channels, too many for the tiled forward's tiles and too few rows (15) for its whole-image tiles."""
     (x, offset, weight, mask), unrounded = rounding_case(half, 2050)
     x, mask, unrounded = x[..., :3, :5], mask[..., :3, :5], unrounded[..., :3, :4]
     with half_gemm_path("portable"):

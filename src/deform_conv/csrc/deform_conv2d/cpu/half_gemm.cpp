@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "brgemm.h"
@@ -64,12 +65,13 @@ bool computes_exactly(const HalfGemm& gemm) {
   return c == expected;
 }
 
-// Whether ATen packs a panel for `gemm` (Layout::aten_packed) in VNNI pairs: a panel of a whole depth block, at
-// each packed width, compared bit for bit.
+// Whether ATen packs a panel for `gemm` (Layout::aten_packed) in VNNI pairs: panels of a whole depth block and of
+// a short one, at each packed width, compared bit for bit.
 template <typename half_t>
 bool aten_packs_vnni_pairs(const HalfGemm& gemm) {
-  for (const int64_t width : {16, 24, 40, 64}) {
-    const int64_t k = kDepthBlock, ld = packed_width(width);
+  for (const auto [k, width] : {std::pair<int64_t, int64_t>{kDepthBlock, 16}, {kDepthBlock, 24}, {kDepthBlock, 40},
+                                {kDepthBlock, 64}, {6, 64}, {72, 40}}) {
+    const int64_t ld = packed_width(width);
     std::vector<half_t> b(k * width), packed(k * ld), expected(k * ld, half_t(0.f));
     for (int64_t r = 0; r < k; ++r) {
       for (int64_t j = 0; j < width; ++j) {

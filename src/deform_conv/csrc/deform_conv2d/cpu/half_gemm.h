@@ -64,7 +64,7 @@ void pack_panel_columns(const HalfGemm& gemm, int64_t k, int64_t count, const ha
                         int64_t j0, int64_t ld, half_t* packed);
 
 // c[m, n] = a[m, k] x packed[k, n] (or c += with `accumulate`), k even, a row-major with leading dimension ld_a,
-// `packed` from pack_weight_panel, c float32; on the calling thread.
+// `packed` from pack_weight_panel or pack_panel_columns, c float32; on the calling thread.
 template <typename half_t>
 void half_gemm_on_this_thread(const HalfGemm& gemm, int64_t m, int64_t n, int64_t k, const half_t* a, int64_t ld_a,
                               const half_t* packed, float* c, int64_t ld_c, bool accumulate);

@@ -81,18 +81,23 @@ int64_t tile_bytes(const ConvParams& p, at::ScalarType dtype) {
 // Whether tiles of kMinTilePixels hold the layer's float32 columns and product in kTileBytes.
 bool fits_tiles(const ConvParams& p) { return tile_bytes_per_pixel(p, at::kFloat) * kMinTilePixels <= kTileBytes; }
 
-// As large as tile_bytes allows, but small enough (down to kMinTilePixels) that every thread gets a tile; for a
-// half-type layer whose tiles would not fit, whole images up to kMinLargeLayerTilePixels.
+// Pixels per tile, at least: kMinTilePixels, or for a half-type layer whose tiles would not fit, whole images up to
+// kMinLargeLayerTilePixels.
+int64_t least_tile_pixels(const ConvParams& p, at::ScalarType dtype) {
+  return is_half_type(dtype) && !fits_tiles(p) ? std::min(p.out_pixels(), kMinLargeLayerTilePixels) : kMinTilePixels;
+}
+
+// As large as tile_bytes allows, but small enough (down to least_tile_pixels) that every thread gets a tile.
 Tiling tiling(const ConvParams& p, at::ScalarType dtype, int64_t threads) {
-  const int64_t least = is_half_type(dtype) && !fits_tiles(p) ? std::min(p.out_pixels(), kMinLargeLayerTilePixels) : 1;
-  const int64_t most = std::max<int64_t>(least, tile_bytes(p, dtype) / tile_bytes_per_pixel(p, dtype));
-  const int64_t enough = std::max(kMinTilePixels, ceil_div(p.out_pixels(), ceil_div(threads, p.batch)));
-  int64_t tiles = ceil_div(p.out_pixels(), std::min(most, enough));
+  const int64_t least = least_tile_pixels(p, dtype);
+  const int64_t most = std::max<int64_t>(1, tile_bytes(p, dtype) / tile_bytes_per_pixel(p, dtype));
+  const int64_t enough = std::max(least, ceil_div(p.out_pixels(), ceil_div(threads, p.batch)));
+  int64_t tiles = ceil_div(p.out_pixels(), std::max(std::min(least, p.out_pixels()), std::min(most, enough)));
   // A whole number of tasks per thread where the tiles stay large enough: at::parallel_for hands each thread one
   // share of the tasks, and 3 images of 5 tiles on 2 threads left one thread idle while the other ran its eighth.
   const int64_t step = threads / std::gcd(p.batch, threads);
   const int64_t balanced = ceil_div(tiles, step) * step;
-  if (ceil_div(p.out_pixels(), balanced) >= kMinTilePixels) tiles = balanced;
+  if (ceil_div(p.out_pixels(), balanced) >= least) tiles = balanced;
   return {ceil_div(p.out_pixels(), tiles), tiles};
 }
 
@@ -115,7 +120,7 @@ void turn_image(const ConvParams& p, const scalar_t* image, scalar_t* turned) {
 // follow the columns (taps outer, channels inner). A GEMM then reads its factor as one contiguous stream instead
 // of one short piece per row a whole weight row apart, which starves it once the weight is larger than the cache.
 // float32: panel c of group g starts at (g * C_out/G + c) * taps * C_in/G. The half types: each panel packed for
-// the half GEMM (pack_panel_from_rows or pack_weight_panel) in a slot of panel_slot() elements, panel c of group g in slot
+// the half GEMM (pack_vnni_panels, or pack_weight_panel) in a slot of panel_slot() elements, panel c of group g in slot
 // g * panels_per_group + c / kPanelWidth.
 struct WeightPanels {
   at::Tensor data;
@@ -334,8 +339,11 @@ bool tiled_forward_applies(const ConvParams& p, const at::Tensor& input) {
   // A half-type layer whose tiles would not fit takes tiles of whole images (kMinLargeLayerTilePixels), unless its
   // weight is large against all its rows: the driver's matrix products then read it once (bfloat16 on the Xeon, 2
   // threads: 512 channels at 14x14, one image, 1.10 ms there and 1.28 ms tiled; 1024 channels at 7x7, 2 images,
-  // 2.34 ms and 3.42 ms).
-  return fits_tiles(p) || !rows_gemm_pays(p, p.batch * p.out_pixels(), dtype);
+  // 2.34 ms and 3.42 ms); nor where such a tile and a turned image would outgrow a thread's scratch memory (8192
+  // channels at 3x3 take 146 KiB of columns and product a pixel).
+  if (fits_tiles(p)) return true;
+  const int64_t tile = least_tile_pixels(p, dtype) * tile_bytes_per_pixel(p, dtype);
+  return tile + kMaxTurnedImageBytes <= kMaxKeptScratchBytes && !rows_gemm_pays(p, p.batch * p.out_pixels(), dtype);
 }
 
 at::Tensor tiled_forward(const ConvParams& p, const at::Tensor& input, const at::Tensor& offset,
