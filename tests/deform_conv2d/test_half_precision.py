@@ -230,6 +230,23 @@ def test_native_forward_of_a_layer_whose_tiles_do_not_fit_here(half, groups):
     assert not torch.equal(got, float32_rounded(case, tensors, half))
 
 
+@HALF_TYPES
+def test_native_forward_of_a_large_layer_on_more_threads_than_images(half):
+    """The large layer's whole-image tiles on 1, 2 and 4 threads for its 2 images: the same bits (how the tiles fall
+    among threads never changes a sum)."""
+    case = make_case(torch.float32, **LARGE_LAYER, batch=2)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        with half_gemm_path("portable"):
+            for count in (1, 2, 4):
+                torch.set_num_threads(count)
+                results.append(case.call(ours, halves(case, half)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], other) for other in results[1:])
+
+
 def native_grad_weight_tolerance(case, tensors, grad_output, half):
     """The weight's gradient on the native path sums, in float32, grad_output (exact in the half type) times the
     columns rounded to the half type: as for the forward, |g - exact| <= u |exact| + (u + (N + 20) 2**-24) S
