@@ -277,32 +277,21 @@ DC_AVX512_ASM inline void round_bfloat16_lanes(const V& lanes, c10::BFloat16* p)
 inline void store_lanes(const FloatLanes& lanes, c10::BFloat16* p) { round_bfloat16_lanes(lanes, p); }
 
 #if defined(DC_CPU_AVX512_BF16)
-// dst[c] = (w[0] * p[0][c] + w[1] * p[1][c] + w[2] * p[2][c] + w[3] * p[3][c]) (* m), c < 32, of bfloat16 values
-// widened exactly and rounded once to bfloat16 (AVX512-BF16 libraries): the same operations on each value as
-// for_float_blocks' loop, so the same bits. Each corner's 32 values are loaded at once and widened as two vectors,
-// the even and the odd channels (the 32-bit words shifted, and masked: a bfloat16 is the upper half of a float32),
-// where 16 at a time took a shuffle each; the two results are rounded by one instruction and interleaved back by
-// another (AVX512BW's word permute, which every CPU with AVX512-BF16 has). A NaN or subnormal result takes
-// c10::BFloat16's rounding, value by value, as round_bfloat16_lanes does.
-DC_AVX512_ASM inline void interpolate_bfloat16_pairs(const c10::BFloat16* const pixel[4], const float weight[4],
-                                                     bool masked, float m, c10::BFloat16* dst) {
-  FloatLanes even, odd;
-  {
-    FloatLanes e[4], o[4];
-    for (int q = 0; q < 4; ++q) {
-      BitLanes pairs;
-      std::memcpy(&pairs, pixel[q], sizeof(pairs));
-      const BitLanes low = pairs << 16, high = pairs & 0xffff0000u;
-      std::memcpy(&e[q], &low, sizeof(low));
-      std::memcpy(&o[q], &high, sizeof(high));
-    }
-    even = weight[0] * e[0] + weight[1] * e[1] + weight[2] * e[2] + weight[3] * e[3];
-    odd = weight[0] * o[0] + weight[1] * o[1] + weight[2] * o[2] + weight[3] * o[3];
-  }
-  if (masked) {
-    even = even * m;
-    odd = odd * m;
-  }
+// 32 bfloat16 values at p widened exactly as two vectors, the even channels and the odd ones (AVX512-BF16
+// libraries): the 32-bit words that hold them shifted, and masked (a bfloat16 is the upper half of a float32),
+// where 16 at a time took a shuffle each.
+inline void widen_bfloat16_pairs(const c10::BFloat16* p, FloatLanes& even, FloatLanes& odd) {
+  BitLanes pairs;
+  std::memcpy(&pairs, p, sizeof(pairs));
+  const BitLanes low = pairs << 16, high = pairs & 0xffff0000u;
+  std::memcpy(&even, &low, sizeof(low));
+  std::memcpy(&odd, &high, sizeof(high));
+}
+
+// widen_bfloat16_pairs undone: the even and odd channels rounded to bfloat16 by one instruction and interleaved back
+// into 32 values at p by another (AVX512BW's word permute, which every CPU with AVX512-BF16 has). Where a lane of
+// either is a NaN or subnormal, c10::BFloat16's rounding value by value, as round_bfloat16_lanes does.
+DC_AVX512_ASM inline void round_bfloat16_pairs(const FloatLanes& even, const FloatLanes& odd, c10::BFloat16* p) {
   bool plain;  // no lane of either is a NaN or subnormal
   asm("vfpclassps $0xa1, %1, %%k1\n\tvfpclassps $0xa1, %2, %%k2\n\tkortestw %%k2, %%k1"
       : "=@ccz"(plain)
@@ -317,12 +306,12 @@ DC_AVX512_ASM inline void interpolate_bfloat16_pairs(const c10::BFloat16* const 
     BitLanes halves, interleaved;  // words 0-15 the even channels', 16-31 the odd ones'
     asm("vcvtne2ps2bf16 %2, %1, %0" : "=v"(halves) : "v"(odd), "v"(even));
     asm("vpermw %1, %2, %0" : "=v"(interleaved) : "v"(halves), "v"(kInterleave));
-    std::memcpy(dst, &interleaved, sizeof(interleaved));
+    std::memcpy(p, &interleaved, sizeof(interleaved));
     return;
   }
   for (int j = 0; j < kSumLanes; ++j) {
-    dst[2 * j] = c10::BFloat16(even[j]);
-    dst[2 * j + 1] = c10::BFloat16(odd[j]);
+    p[2 * j] = c10::BFloat16(even[j]);
+    p[2 * j + 1] = c10::BFloat16(odd[j]);
   }
 }
 #endif

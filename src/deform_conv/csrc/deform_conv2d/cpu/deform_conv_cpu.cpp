@@ -9,7 +9,6 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
 #include "../../cpu_kernels.h"
 #include "../columns_driver.h"
@@ -137,33 +136,6 @@ bool channels_first(const at::Tensor& channels_last, at::Tensor& out) {
     }
   });
   return true;
-}
-
-// The weight [C_out, C_in/G, kh, kw] turned to the columns' order, [C_out, kh, kw, C_in/G]: row by row from the
-// L1 cache (taps_outer), where ATen's copy of the permuted weight took 0.45 ms of S3's bfloat16 forward on the Xeon
-// (2.67-2.69 ms then, 2.32-2.41 so). float64 and weights in other layouts are left to ATen.
-at::Tensor weight_in_column_order(const at::Tensor& weight) {
-  const at::ScalarType dtype = weight.scalar_type();
-  if (!weight.is_contiguous() || (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf)) {
-    return at::Tensor();
-  }
-  const int64_t rows = weight.size(0), channels = weight.size(1), taps = weight.size(2) * weight.size(3);
-  at::Tensor turned = at::empty({rows, weight.size(2), weight.size(3), channels}, weight.options());
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    const int64_t at = begin * channels * taps;
-    switch (dtype) {
-      case at::kBFloat16:
-        return taps_outer(weight.const_data_ptr<c10::BFloat16>() + at, end - begin, channels, taps,
-                          turned.mutable_data_ptr<c10::BFloat16>() + at);
-      case at::kHalf:
-        return taps_outer(weight.const_data_ptr<c10::Half>() + at, end - begin, channels, taps,
-                          turned.mutable_data_ptr<c10::Half>() + at);
-      default:
-        return taps_outer(weight.const_data_ptr<float>() + at, end - begin, channels, taps,
-                          turned.mutable_data_ptr<float>() + at);
-    }
-  });
-  return turned;
 }
 
 // 8 MiB of columns per chunk (at least one image): written by the sampling pass and read by the GEMM while

@@ -181,20 +181,34 @@ DC_CPU_KERNEL(fill_rows)
 // Xeon), not S5's 32 (8% slower).
 constexpr int64_t kPairsFromChannels = 64;
 
-// fill_rows, in pairs where the library and the layer have them.
-template <typename scalar_t, typename image_t, typename column_t>
-void fill_rows_of(const ConvParams& p, const SamplingInputs<scalar_t, image_t>& in, int64_t first_image,
-                  int64_t row_begin, int64_t row_end, column_t* columns) {
+// Whether the fill of image_t into column_t takes pairs of 32 channels: bfloat16 in both, in a library with
+// AVX512-BF16, every piece of the layer kPairsFromChannels or more.
+template <typename image_t, typename column_t>
+bool fills_in_pairs(const ConvParams& p) {
 #if defined(DC_CPU_AVX512_BF16)
   if constexpr (std::is_same_v<image_t, c10::BFloat16> && std::is_same_v<column_t, c10::BFloat16>) {
     const std::vector<ChannelPiece>& pieces = OffsetGroupPieces(p).pieces;
-    if (std::all_of(pieces.begin(), pieces.end(),
-                    [](const ChannelPiece& piece) { return piece.length >= kPairsFromChannels; })) {
+    return std::all_of(pieces.begin(), pieces.end(),
+                       [](const ChannelPiece& piece) { return piece.length >= kPairsFromChannels; });
+  }
+#endif
+  (void)p;
+  return false;
+}
+
+// fill_rows, in pairs where fills_in_pairs said so (`in_pairs`).
+template <typename scalar_t, typename image_t, typename column_t>
+void fill_rows_of(const ConvParams& p, const SamplingInputs<scalar_t, image_t>& in, int64_t first_image,
+                  int64_t row_begin, int64_t row_end, column_t* columns, bool in_pairs) {
+#if defined(DC_CPU_AVX512_BF16)
+  if constexpr (std::is_same_v<image_t, c10::BFloat16> && std::is_same_v<column_t, c10::BFloat16>) {
+    if (in_pairs) {
       fill_rows<scalar_t>(p, in, first_image, row_begin, row_end, columns, std::true_type{});
       return;
     }
   }
 #endif
+  (void)in_pairs;
   fill_rows<scalar_t>(p, in, first_image, row_begin, row_end, columns, std::false_type{});
 }
 
@@ -322,15 +336,16 @@ DC_CPU_KERNEL(input_grad_tasks)
 template <typename scalar_t, typename column_t, typename image_t>
 void fill_columns(const ConvParams& p, const SamplingInputs<scalar_t, image_t>& in, int64_t first_image,
                   int64_t images, column_t* columns) {
+  const bool in_pairs = fills_in_pairs<image_t, column_t>(p);
   at::parallel_for(0, images * p.out_pixels(), kRowsPerTask, [&](int64_t begin, int64_t end) {
-    fill_rows_of(p, in, first_image, begin, end, columns + begin * p.taps() * p.in_channels);
+    fill_rows_of(p, in, first_image, begin, end, columns + begin * p.taps() * p.in_channels, in_pairs);
   });
 }
 
 template <typename scalar_t, typename column_t, typename image_t>
 void fill_column_rows(const ConvParams& p, const SamplingInputs<scalar_t, image_t>& in, int64_t first_image,
                       int64_t row_begin, int64_t row_end, column_t* columns) {
-  fill_rows_of(p, in, first_image, row_begin, row_end, columns);
+  fill_rows_of(p, in, first_image, row_begin, row_end, columns, fills_in_pairs<image_t, column_t>(p));
 }
 
 template <typename scalar_t, typename image_t>

@@ -89,21 +89,32 @@ struct Corners {
 // types' images), widened exactly as they are loaded. In float, in vector registers to the last channel
 // (for_float_blocks), 16 channels at a time widened and rounded there too (cpu_lanes.h): the same operations for
 // every element, so the same bits as the plain loop. `in_pairs`: bfloat16 corners and columns 32 channels at a time
-// where the library has AVX512-BF16 (interpolate_bfloat16_pairs), the same bits again.
+// where the library has AVX512-BF16 (widen_bfloat16_pairs, round_bfloat16_pairs), the same bits again.
 template <bool in_pairs = false, typename scalar_t, typename column_t, typename image_t>
 inline void interpolate_corners(const Corners<scalar_t, image_t>& k, int64_t channel, int64_t len, bool masked,
                                 scalar_t m, column_t* __restrict__ dst) {
   const image_t *__restrict__ p0 = k.pixel[0] + channel, *__restrict__ p1 = k.pixel[1] + channel;
   const image_t *__restrict__ p2 = k.pixel[2] + channel, *__restrict__ p3 = k.pixel[3] + channel;
   const scalar_t w0 = k.weight[0], w1 = k.weight[1], w2 = k.weight[2], w3 = k.weight[3];
+  // One value, or a vector of them, of each corner interpolated (and masked).
+  const auto interpolate = [&](const auto& v0, const auto& v1, const auto& v2, const auto& v3) {
+    auto v = w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3;
+    if (masked) v = v * m;
+    return v;
+  };
 #if defined(__GNUC__)
   if constexpr (std::is_same_v<scalar_t, float>) {
     int64_t first = 0;  // channels [0, first) done in pairs
 #if defined(DC_CPU_AVX512_BF16)
     if constexpr (in_pairs && std::is_same_v<image_t, c10::BFloat16> && std::is_same_v<column_t, c10::BFloat16>) {
       for (; first + 2 * kSumLanes <= len; first += 2 * kSumLanes) {
-        const c10::BFloat16* pixel[4] = {p0 + first, p1 + first, p2 + first, p3 + first};
-        interpolate_bfloat16_pairs(pixel, k.weight, masked, m, dst + first);
+        FloatLanes even[4], odd[4];
+        widen_bfloat16_pairs(p0 + first, even[0], odd[0]);
+        widen_bfloat16_pairs(p1 + first, even[1], odd[1]);
+        widen_bfloat16_pairs(p2 + first, even[2], odd[2]);
+        widen_bfloat16_pairs(p3 + first, even[3], odd[3]);
+        round_bfloat16_pairs(interpolate(even[0], even[1], even[2], even[3]),
+                             interpolate(odd[0], odd[1], odd[2], odd[3]), dst + first);
       }
     }
 #endif
@@ -115,17 +126,14 @@ inline void interpolate_corners(const Corners<scalar_t, image_t>& k, int64_t cha
       load_block(p1 + c, v1);
       load_block(p2 + c, v2);
       load_block(p3 + c, v3);
-      V v = w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3;
-      if (masked) v = v * m;
-      store_block(v, dst + c);
+      store_block(V(interpolate(v0, v1, v2, v3)), dst + c);
     });
     return;
   }
 #endif
   for (int64_t c = 0; c < len; ++c) {
-    const scalar_t v = w0 * static_cast<scalar_t>(p0[c]) + w1 * static_cast<scalar_t>(p1[c]) +
-                       w2 * static_cast<scalar_t>(p2[c]) + w3 * static_cast<scalar_t>(p3[c]);
-    dst[c] = static_cast<column_t>(masked ? v * m : v);
+    dst[c] = static_cast<column_t>(interpolate(static_cast<scalar_t>(p0[c]), static_cast<scalar_t>(p1[c]),
+                                               static_cast<scalar_t>(p2[c]), static_cast<scalar_t>(p3[c])));
   }
 }
 

@@ -131,29 +131,14 @@ int64_t panel_slot(const ConvParams& p) {
   return p.taps() * p.in_channels_per_group() * packed_width(std::min(kPanelWidth, p.out_channels_per_group()));
 }
 
-// The weight's rows [C_out, taps * C_in/G] in the columns' order: each output channel's [C_in/G, taps] turned to
-// [taps, C_in/G] (taps_outer).
-template <typename scalar_t>
-at::Tensor rows_in_column_order(const ConvParams& p, const at::Tensor& weight) {
-  const int64_t taps = p.taps(), per_channel = p.in_channels_per_group(), per_group = taps * per_channel;
-  const at::Tensor weight_c = weight.contiguous();
-  const scalar_t* w = weight_c.const_data_ptr<scalar_t>();
-  at::Tensor turned = weight.new_empty({p.out_channels, per_group});
-  scalar_t* rows = turned.mutable_data_ptr<scalar_t>();
-  at::parallel_for(0, p.out_channels, 8, [&](int64_t begin, int64_t end) {
-    taps_outer(w + begin * per_group, end - begin, per_channel, taps, rows + begin * per_group);
-  });
-  return turned;
-}
-
 // The weight's panels, each [taps * C_in/G, width] (see WeightPanels; of float32 or the half type alike), panel c
-// of group g at (g * C_out/G + c) * taps * C_in/G: first the rows in the columns' order, then each panel's rows by
-// blocked transposes. (ATen's copies of the permuted weight took 0.7 ms of S2's bfloat16 forward on the Xeon, 2
+// of group g at (g * C_out/G + c) * taps * C_in/G: first the rows in the columns' order (weight_in_column_order),
+// then each panel's rows by blocked transposes. (ATen's copies of the permuted weight took 0.7 ms of S2's bfloat16 forward on the Xeon, 2
 // threads: 15% of it.)
 template <typename scalar_t>
 at::Tensor unpacked_panels(const ConvParams& p, const at::Tensor& weight) {
   const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
-  const at::Tensor turned = rows_in_column_order<scalar_t>(p, weight);
+  const at::Tensor turned = weight_in_column_order(weight.contiguous());  // [C_out, taps * C_in/G] in memory
   const scalar_t* rows = turned.const_data_ptr<scalar_t>();
   at::Tensor panels = weight.new_empty({p.out_channels * per_group});
   scalar_t* to = panels.mutable_data_ptr<scalar_t>();

@@ -1,5 +1,8 @@
 #include "transpose.h"
 
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
@@ -120,6 +123,30 @@ void taps_outer(const half_t* src, int64_t rows, int64_t channels, int64_t taps,
 
 template void taps_outer<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, int64_t, c10::BFloat16*);
 template void taps_outer<c10::Half>(const c10::Half*, int64_t, int64_t, int64_t, c10::Half*);
+
+at::Tensor weight_in_column_order(const at::Tensor& weight) {
+  const at::ScalarType dtype = weight.scalar_type();
+  if (!weight.is_contiguous() || (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf)) {
+    return at::Tensor();
+  }
+  const int64_t rows = weight.size(0), channels = weight.size(1), taps = weight.size(2) * weight.size(3);
+  at::Tensor turned = at::empty({rows, weight.size(2), weight.size(3), channels}, weight.options());
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    const int64_t at = begin * channels * taps;
+    switch (dtype) {
+      case at::kBFloat16:
+        return taps_outer(weight.const_data_ptr<c10::BFloat16>() + at, end - begin, channels, taps,
+                          turned.mutable_data_ptr<c10::BFloat16>() + at);
+      case at::kHalf:
+        return taps_outer(weight.const_data_ptr<c10::Half>() + at, end - begin, channels, taps,
+                          turned.mutable_data_ptr<c10::Half>() + at);
+      default:
+        return taps_outer(weight.const_data_ptr<float>() + at, end - begin, channels, taps,
+                          turned.mutable_data_ptr<float>() + at);
+    }
+  });
+  return turned;
+}
 
 template <typename half_t>
 void transpose(const half_t* src, int64_t rows, int64_t cols, int64_t ld_src, half_t* dst, int64_t ld_dst) {

@@ -1,6 +1,8 @@
 // Turning a matrix over, as the CPU paths do between channels-first and channels-last layouts.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 
 namespace deform_conv {
@@ -25,6 +27,12 @@ void transpose(const uint32_t* src, int64_t rows, int64_t cols, int64_t ld_src, 
 void taps_outer(const float* src, int64_t rows, int64_t channels, int64_t taps, float* dst);
 template <typename half_t>
 void taps_outer(const half_t* src, int64_t rows, int64_t channels, int64_t taps, half_t* dst);
+
+// The weight [C_out, C_in/G, kh, kw] turned to the columns' order, [C_out, kh, kw, C_in/G] (taps_outer, row by row
+// from the L1 cache, where ATen's copy of the permuted weight took 0.45 ms of S3's bfloat16 forward on the Xeon:
+// 2.67-2.69 ms then, 2.32-2.41 so); an undefined tensor for float64 and weights in other layouts, left to ATen
+// (SamplingPasses::weight_in_column_order).
+at::Tensor weight_in_column_order(const at::Tensor& weight);
 
 }  // namespace cpu
 }  // namespace deform_conv
