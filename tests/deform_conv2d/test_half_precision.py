@@ -420,6 +420,48 @@ def test_the_default_path_is_what_the_op_says(half):
             assert torch.equal(case.call(ours, tensors), float32_rounded(case, tensors, half))
 
 
+
+@HALF_TYPES
+@pytest.mark.parametrize("shape", list(NATIVE_SHAPES) + ["large_layer"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
+def test_float32_path_reads_the_half_tensors_as_they_are(half, shape, layout):
+    """Without a half GEMM, a layer the float32 tiled path takes (its tiles fit, on the batch-reduce GEMM) runs there
+    in float32, its image and weight widened as they are turned and its output rounded as it is turned back: the
+    bits of the float32 path on widened copies, and no widened copy of the input (ATen converts only the offsets,
+    the mask and the bias). Other layers (taps * C_in + C_out > 4096 here) run on widened copies. Inputs turned per
+    thread (an image per thread), up front (fewer images than threads: "one_image"), or already channels-last."""
+    kwargs = dict(LARGE_LAYER, batch=2) if shape == "large_layer" else NATIVE_SHAPES[shape]
+    case = make_case(torch.float32, **kwargs)
+    tensors = halves(case, half)
+    x = tensors[0]
+    if layout == "channels_last":
+        tensors[0] = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "strided":
+        tensors[0] = torch.stack((x, x), dim=-1)[..., 1]
+    with half_gemm_path("float32"):
+        with torch.profiler.profile(record_shapes=True) as profile:
+            got = case.call(ours, tensors)
+    assert torch.equal(got, float32_rounded(case, tensors, half))
+    converted = [event.input_shapes[0] for event in profile.events() if event.name == "aten::_to_copy"]
+    tiled = shape != "large_layer" and torch.ops.deform_conv.brgemm_available()
+    assert (list(x.shape) not in converted) == tiled, converted
+
+
+@HALF_TYPES
+def test_float32_path_propagates_nan(half):
+    case = make_case(torch.float32, **NATIVE_SHAPES["panels_depth_blocks"])
+    tensors = halves(case, half)
+    tensors[1][0, 0, 2, 3] = float("nan")  # one point's dy
+    tensors[0][1, 5, 0, 0] = float("inf")  # an infinite input pixel
+    tensors[2][7, 3, 1, 1] = float("nan")  # a weight
+    with half_gemm_path("float32"):
+        got = case.call(ours, tensors)
+    expected = float32_rounded(case, tensors, half)
+    assert torch.isnan(got).any() and torch.isinf(got).any()
+    assert torch.equal(torch.isnan(got), torch.isnan(expected))
+    finite = ~torch.isnan(expected)
+    assert torch.equal(got[finite], expected[finite])
+
 def rounding_case(half, channels: int, seed: int = 3):
     """A 1x1 layer with the identity as its weight outputs its columns unchanged; a shift of half a pixel to the
     right, and the mask, make each column (0.5 a + 0.5 b + 0 c + 0 d) * m of two neighbours a, b (c, d the row

@@ -434,10 +434,11 @@ inline void transpose_lanes(FloatLanes rows[kSumLanes]) {
   transpose_round<1>(rows);
 }
 
-// The 16x16 block src[i * ld_src + j] (+ add[j]) into dst[j * ld_dst + i], i, j < 16: dst float, or a half type
-// each row rounded in registers (store_lanes). `add` nullptr adds nothing (adding 0 would turn -0 into +0).
-template <typename T>
-inline void transpose_block(const float* src, int64_t ld_src, const float* add, T* dst, int64_t ld_dst) {
+// The 16x16 block src[i * ld_src + j] (+ add[j]) into dst[j * ld_dst + i], i, j < 16: src float, or a half type
+// widened as it is loaded (load_lanes); dst float, or a half type each row rounded in registers (store_lanes).
+// `add` nullptr adds nothing (adding 0 would turn -0 into +0).
+template <typename S, typename T>
+inline void transpose_block(const S* src, int64_t ld_src, const float* add, T* dst, int64_t ld_dst) {
   FloatLanes lanes[kSumLanes];
   for (int i = 0; i < kSumLanes; ++i) load_lanes(src + i * ld_src, lanes[i]);
   transpose_lanes(lanes);

@@ -164,8 +164,9 @@ bool native_half_layer(const ConvParams& p, const at::Tensor& input) {
 
 // float16 and bfloat16 (e.g. under CPU autocast): where the CPU multiplies the half type natively, the GEMMs in
 // it (the columns sampled in float32 and rounded once to it; the input, grad_output and the weight read as they
-// are, the offsets and the mask widened); elsewhere everything in float32 on widened tensors. Every sum in float32,
-// each result rounded once to the input's dtype.
+// are, the offsets and the mask widened); elsewhere everything in float32: the forward of a layer the tiled path
+// takes reads the half-type tensors as they are (tiled_forward.h), the rest runs on widened copies. Every sum in
+// float32, each result rounded once to the input's dtype.
 bool is_half_type(const at::Tensor& t) {
   return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
 }
@@ -190,6 +191,8 @@ at::Tensor deform_conv2d_forward(const at::Tensor& input, const at::Tensor& offs
       if (tiled_forward_applies(p, input)) return tiled_forward(p, input, offset, mask, weight, bias);
       return forward_with(kPasses, p, input, widened(offset), weight, widened(mask), bias, input.scalar_type());
     }
+    // In float32: tiled, reading the half-type tensors as they are; else on widened copies.
+    if (!p.is_depthwise() && tiled_forward_applies(p, input)) return tiled_forward(p, input, offset, mask, weight, bias);
     return deform_conv2d_forward(widened(input), widened(offset), widened(weight), widened(mask), widened(bias), stride, padding,
                    dilation, border_gradient)
         .to(input.scalar_type());

@@ -101,18 +101,24 @@ Tiling tiling(const ConvParams& p, at::ScalarType dtype, int64_t threads) {
   return {ceil_div(p.out_pixels(), tiles), tiles};
 }
 
-// The input in channels-last memory, in its own type (the half types' corners are widened as the sampling loads
-// them): itself if it is already, else a copy in this thread's scratch memory.
-at::Tensor channels_last(const at::Tensor& input) {
-  if (input.is_contiguous(at::MemoryFormat::ChannelsLast)) return input;
-  return scratch(ScratchSlot::channels_last_input, input.sizes(), input.options()).copy_(input);
+// The input in channels-last memory, in `dtype`: its own (the native half path's corners are widened as the
+// sampling loads them), or float32 for a half-type input on the float32 path: itself if it is already, else a copy
+// in this thread's scratch memory.
+at::Tensor channels_last(const at::Tensor& input, at::ScalarType dtype) {
+  if (input.scalar_type() == dtype && input.is_contiguous(at::MemoryFormat::ChannelsLast)) return input;
+  return scratch(ScratchSlot::channels_last_input, input.sizes(), input.options().dtype(dtype)).copy_(input);
 }
 
-// Image n, channels-first [C_in, H*W], into `turned`, channels-last [H*W, C_in], in its own type.
-template <typename scalar_t>
-void turn_image(const ConvParams& p, const scalar_t* image, scalar_t* turned) {
+// Image n, channels-first [C_in, H*W] of image_t, into `turned`, channels-last [H*W, C_in] of scalar_t: the same
+// type, or a half type widened to float32 as it is turned.
+template <typename scalar_t, typename image_t>
+void turn_image(const ConvParams& p, const image_t* image, scalar_t* turned) {
   const int64_t plane = p.height * p.width;
-  transpose(image, p.in_channels, plane, plane, turned, p.in_channels);
+  if constexpr (std::is_same_v<scalar_t, image_t>) {
+    transpose(image, p.in_channels, plane, plane, turned, p.in_channels);
+  } else {
+    transpose_widening(image, p.in_channels, plane, plane, turned, p.in_channels);
+  }
 }
 
 // The weight [C_out, C_in/G, kh, kw] as the GEMMs read it: for each group, its output channels in panels of
@@ -133,14 +139,15 @@ int64_t panel_slot(const ConvParams& p) {
 
 // The weight's panels, each [taps * C_in/G, width] (see WeightPanels; of float32 or the half type alike), panel c
 // of group g at (g * C_out/G + c) * taps * C_in/G: first the rows in the columns' order (weight_in_column_order),
-// then each panel's rows by blocked transposes. (ATen's copies of the permuted weight took 0.7 ms of S2's bfloat16 forward on the Xeon, 2
-// threads: 15% of it.)
-template <typename scalar_t>
+// then each panel's rows by blocked transposes (a half-type weight on the float32 path widened by them). (ATen's
+// copies of the permuted weight took 0.7 ms of S2's bfloat16 forward on the Xeon, 2 threads: 15% of it.)
+template <typename scalar_t, typename weight_t>
 at::Tensor unpacked_panels(const ConvParams& p, const at::Tensor& weight) {
   const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
   const at::Tensor turned = weight_in_column_order(weight.contiguous());  // [C_out, taps * C_in/G] in memory
-  const scalar_t* rows = turned.const_data_ptr<scalar_t>();
-  at::Tensor panels = weight.new_empty({p.out_channels * per_group});
+  const weight_t* rows = turned.const_data_ptr<weight_t>();
+  at::Tensor panels = weight.new_empty({p.out_channels * per_group}, weight.options().dtype(
+                                                                          c10::CppTypeToScalarType<scalar_t>::value));
   scalar_t* to = panels.mutable_data_ptr<scalar_t>();
   // Tasks: up to kPanelRowsPerTask rows of a panel (S1: its 576 in 3 tasks, S2: 2304 in 9 for each of 4 panels).
   constexpr int64_t kPanelRowsPerTask = 256;
@@ -153,8 +160,13 @@ at::Tensor unpacked_panels(const ConvParams& p, const at::Tensor& weight) {
       const int64_t width = std::min(kPanelWidth, out_per_group - c);
       const int64_t depth = std::min(kPanelRowsPerTask, per_group - k0);
       const int64_t first_row = g * out_per_group + c;
-      transpose(rows + first_row * per_group + k0, width, depth, per_group, to + first_row * per_group + k0 * width,
-                width);
+      const weight_t* from = rows + first_row * per_group + k0;
+      scalar_t* into = to + first_row * per_group + k0 * width;
+      if constexpr (std::is_same_v<scalar_t, weight_t>) {
+        transpose(from, width, depth, per_group, into, width);
+      } else {
+        transpose_widening(from, width, depth, per_group, into, width);
+      }
     }
   });
   return panels;
@@ -188,13 +200,14 @@ void pack_vnni_panels(const ConvParams& p, const at::Tensor& weight, const HalfG
   });
 }
 
-template <typename scalar_t>
+// The panels in scalar_t from a weight of weight_t: the same type, or a half type widened for the float32 path.
+template <typename scalar_t, typename weight_t>
 WeightPanels weight_panels(const ConvParams& p, const at::Tensor& weight, const HalfGemm& gemm) {
   const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
   const int64_t panels_per_group = ceil_div(out_per_group, kPanelWidth);
   if constexpr (std::is_same_v<scalar_t, float>) {
     (void)gemm;
-    return {unpacked_panels<scalar_t>(p, weight), panels_per_group, 0};
+    return {unpacked_panels<scalar_t, weight_t>(p, weight), panels_per_group, 0};
   } else {
     const int64_t slot = panel_slot(p);
     at::Tensor packed = weight.new_empty({p.groups * panels_per_group * slot});
@@ -203,7 +216,7 @@ WeightPanels weight_panels(const ConvParams& p, const at::Tensor& weight, const 
       pack_vnni_panels(p, weight, gemm, slot, to);
       return {packed, panels_per_group, slot};
     }
-    const at::Tensor unpacked = unpacked_panels<scalar_t>(p, weight);
+    const at::Tensor unpacked = unpacked_panels<scalar_t, scalar_t>(p, weight);
     const scalar_t* from = unpacked.const_data_ptr<scalar_t>();
     at::parallel_for(0, p.groups * panels_per_group, 1, [&](int64_t begin, int64_t end) {
       for (int64_t panel = begin; panel < end; ++panel) {
@@ -217,22 +230,27 @@ WeightPanels weight_panels(const ConvParams& p, const at::Tensor& weight, const 
   }
 }
 
-template <typename scalar_t>
+// scalar_t: the columns' and the GEMMs' type; image_t: the input's, the weight's and the output's. The same, or
+// float32 columns from a half-type image (a half type without a native GEMM here): the image and the weight widened
+// as they are turned, the output rounded as it is turned back, each once -- the bits of the float32 path on the
+// widened tensors, without widened copies of them.
+template <typename scalar_t, typename image_t>
 at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const at::Tensor& offset,
                             const std::optional<at::Tensor>& mask, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias) {
   constexpr bool kHalf = !std::is_same_v<scalar_t, float>;
+  constexpr at::ScalarType kColumnType = c10::CppTypeToScalarType<scalar_t>::value;
   at::Tensor output = input.new_empty({p.batch, p.out_channels, p.out_h, p.out_w});
   if (output.numel() == 0) return output;
 
-  const HalfGemm gemm = kHalf ? half_gemm_for(input.scalar_type()) : HalfGemm{};
+  const HalfGemm gemm = kHalf ? half_gemm_for(kColumnType) : HalfGemm{};
   const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
   const int64_t row_size = p.taps() * p.in_channels, pixels = p.out_pixels();
   const int64_t plane = p.height * p.width, image_size = plane * p.in_channels;
-  const Tiling tiles = tiling(p, input.scalar_type(), at::get_num_threads());
+  const Tiling tiles = tiling(p, kColumnType, at::get_num_threads());
   // Per thread: the tile's float32 product, then its columns (the half types': sampled in float32 and rounded once
-  // as they are written), then the thread's turned image (in the input's type).
-  const int64_t column_floats = column_floats_per_pixel(p, input.scalar_type()) * tiles.pixels;
+  // as they are written), then the thread's turned image (in the columns' type).
+  const int64_t column_floats = column_floats_per_pixel(p, kColumnType) * tiles.pixels;
   const int64_t tile_floats = p.out_channels * tiles.pixels + column_floats;
 
   // Each thread turns the images it works on to channels-last itself, into a buffer that stays in its cache
@@ -241,17 +259,17 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
   const bool turn_per_thread = input.is_contiguous() && p.batch >= at::get_num_threads() &&
                                image_size * int64_t(sizeof(scalar_t)) <= kMaxTurnedImageBytes;
   const int64_t turn_floats = turn_per_thread ? ceil_div(image_size * int64_t(sizeof(scalar_t)), sizeof(float)) : 0;
-  const at::Tensor input_c = turn_per_thread ? input : channels_last(input);
+  const at::Tensor input_c = turn_per_thread ? input : channels_last(input, kColumnType);
   // The sampling reads float32 offsets and masks (a few values per pixel, widened up front for the half types).
   const at::Tensor offset_c = offset.to(at::kFloat).contiguous();
   const at::Tensor mask_c = mask.has_value() ? mask->to(at::kFloat).contiguous() : at::Tensor();
-  const WeightPanels panels = weight_panels<scalar_t>(p, weight, gemm);
+  const WeightPanels panels = weight_panels<scalar_t, image_t>(p, weight, gemm);
   const at::Tensor bias_c = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* offsets = offset_c.const_data_ptr<float>();
   const float* masks = mask_c.defined() ? mask_c.const_data_ptr<float>() : nullptr;
   const scalar_t* weights = panels.data.const_data_ptr<scalar_t>();
   const float* bias_ptr = bias_c.defined() ? bias_c.const_data_ptr<float>() : nullptr;
-  scalar_t* out = output.mutable_data_ptr<scalar_t>();
+  image_t* out = output.mutable_data_ptr<image_t>();
 
   at::parallel_for(0, p.batch * tiles.tiles, 1, [&](int64_t begin, int64_t end) {
     float* product = static_cast<float*>(  // [tile pixels, C_out]
@@ -264,7 +282,7 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
       const int64_t n = task / tiles.tiles, first = task % tiles.tiles * tiles.pixels;
       const int64_t len = std::min(tiles.pixels, pixels - first);
       if (turn_per_thread && n != turned_image) {
-        turn_image(p, input_c.const_data_ptr<scalar_t>() + n * image_size, turned);
+        turn_image(p, input_c.const_data_ptr<image_t>() + n * image_size, turned);
         turned_image = n;
       }
       // Image n alone, as image 0.
@@ -295,7 +313,7 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
         }
       }
       // The product [len, C_out] into output[n, :, first : first + len], with the bias.
-      if constexpr (kHalf) {
+      if constexpr (!std::is_same_v<image_t, float>) {
         transpose_narrowing(product, len, p.out_channels, p.out_channels, out + n * p.out_channels * pixels + first,
                             pixels, bias_ptr);
       } else {
@@ -312,15 +330,15 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
   return output;
 }
 
+// Whether a half-type layer's columns and GEMMs are in its own type here (else in float32).
+bool native_half(at::ScalarType dtype) { return is_half_type(dtype) && half_gemm_for(dtype).uses_native_path(); }
+
 }  // namespace
 
 bool tiled_forward_applies(const ConvParams& p, const at::Tensor& input) {
   const at::ScalarType dtype = input.scalar_type();
-  if (dtype == at::kFloat) return fits_tiles(p) && batch_reduce_gemm_works();
-  if (!is_half_type(dtype) || p.taps() * p.in_channels_per_group() % 2 != 0 ||
-      !half_gemm_for(dtype).uses_native_path()) {
-    return false;
-  }
+  if (!native_half(dtype)) return (dtype == at::kFloat || is_half_type(dtype)) && fits_tiles(p) && batch_reduce_gemm_works();
+  if (p.taps() * p.in_channels_per_group() % 2 != 0) return false;
   // A half-type layer whose tiles would not fit takes tiles of whole images (kMinLargeLayerTilePixels), unless its
   // weight is large against all its rows: the driver's matrix products then read it once (bfloat16 on the Xeon, 2
   // threads: 512 channels at 14x14, one image, 1.10 ms there and 1.28 ms tiled; 1024 channels at 7x7, 2 images,
@@ -334,13 +352,16 @@ bool tiled_forward_applies(const ConvParams& p, const at::Tensor& input) {
 at::Tensor tiled_forward(const ConvParams& p, const at::Tensor& input, const at::Tensor& offset,
                          const std::optional<at::Tensor>& mask, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias) {
+  const bool native = native_half(input.scalar_type());
   switch (input.scalar_type()) {
     case at::kFloat:
-      return tiled_forward_in<float>(p, input, offset, mask, weight, bias);
+      return tiled_forward_in<float, float>(p, input, offset, mask, weight, bias);
     case at::kBFloat16:
-      return tiled_forward_in<c10::BFloat16>(p, input, offset, mask, weight, bias);
+      return native ? tiled_forward_in<c10::BFloat16, c10::BFloat16>(p, input, offset, mask, weight, bias)
+                    : tiled_forward_in<float, c10::BFloat16>(p, input, offset, mask, weight, bias);
     case at::kHalf:
-      return tiled_forward_in<c10::Half>(p, input, offset, mask, weight, bias);
+      return native ? tiled_forward_in<c10::Half, c10::Half>(p, input, offset, mask, weight, bias)
+                    : tiled_forward_in<float, c10::Half>(p, input, offset, mask, weight, bias);
     default:
       TORCH_CHECK(false, "deform_conv: tiled_forward does not serve ", input.scalar_type());
   }

@@ -4,7 +4,8 @@
 // transposed to channels-first, with the bias. bfloat16 and float16 layers take the same path where the CPU
 // multiplies them natively (half_gemm.h): the sampling in float32 from the image in its type (widened as it is
 // loaded), the columns rounded once to the half type for the GEMM, which sums in float32, and the output rounded
-// once; where their tiles would not fit, in tiles of whole images. On the driver's path (columns_driver.h) the
+// once; where their tiles would not fit, in tiles of whole images. Elsewhere they take the float32 path here, the
+// image and the weight widened as they are turned and the output rounded as it is turned back. On the driver's path (columns_driver.h) the
 // columns of a whole chunk go out to memory and come back for the GEMM, and the output makes a round trip in
 // channels-last: for a layer of 64 channels at 56x56 that traffic costs about as much as the sampling itself.
 #pragma once
@@ -19,9 +20,10 @@ namespace deform_conv {
 namespace cpu {
 
 // Whether tiled_forward serves this layer: float32 with the batch-reduce GEMM on oneDNN (batch_reduce_gemm_works)
-// and tiles of at least 32 pixels within 512 KiB of columns and product (taps * C_in + C_out <= 4096); or a half
-// type with a half GEMM (half_gemm_for), an even taps * C_in/groups (the depth of the half types' packed weight comes
-// in pairs of rows), and such tiles or else rows enough against its weight (columns_driver.h's rows_gemm_pays).
+// and tiles of at least 32 pixels within 512 KiB of columns and product (taps * C_in + C_out <= 4096), or a half
+// type without a half GEMM here on the same terms (computed in float32, the same bits as on widened copies); or a
+// half type with a half GEMM (half_gemm_for), an even taps * C_in/groups (the depth of the half types' packed weight
+// comes in pairs of rows), and such tiles or else rows enough against its weight (columns_driver.h's rows_gemm_pays).
 bool tiled_forward_applies(const ConvParams& p, const at::Tensor& input);
 
 // `p` comes from make_conv_params on the same tensors (which validates them).
