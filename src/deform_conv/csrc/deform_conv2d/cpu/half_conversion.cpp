@@ -63,15 +63,16 @@ namespace {
 
 #if defined(__GNUC__)
 // transpose_narrowing in blocks of 16 rows of src: whole 16x16 blocks turned over in registers, each row of 16
-// rounded there (cpu_lanes.h) and stored; the block's other columns turned over in float32 into `turned`
-// [cols, 16] first; a last block of fewer rows value by value.
+// rounded there (cpu_lanes.h) and stored, where the library's vectors hold 16 floats (transpose.cpp says why not
+// elsewhere); the block's other columns turned over in float32 into `turned` [cols, 16] first, then rounded in
+// vector blocks (for_float_blocks).
 template <typename half_t>
 DC_CPU_DISPATCH void transpose_narrowing_blocks(const float* src, int64_t rows, int64_t cols, int64_t ld_src,
                                                 half_t* dst, int64_t ld_dst, const float* add, float* turned) {
   for (int64_t i0 = 0; i0 < rows; i0 += kSumLanes) {
     const int64_t block = std::min<int64_t>(kSumLanes, rows - i0);
     int64_t j0 = 0;
-    for (; block == kSumLanes && j0 + kSumLanes <= cols; j0 += kSumLanes) {
+    for (; kBlockLanes == kSumLanes && block == kSumLanes && j0 + kSumLanes <= cols; j0 += kSumLanes) {
       transpose_block(src + i0 * ld_src + j0, ld_src, add != nullptr ? add + j0 : nullptr, dst + j0 * ld_dst + i0,
                       ld_dst);
     }
@@ -85,26 +86,25 @@ DC_CPU_DISPATCH void transpose_narrowing_blocks(const float* src, int64_t rows, 
       }
     }
     for (int64_t j = j0; j < cols; ++j) {
-      if (block == kSumLanes) {
-        FloatLanes lanes;
-        load_lanes(turned + j * kSumLanes, lanes);
-        store_lanes(lanes, dst + j * ld_dst + i0);
-      } else {
-        for (int64_t i = 0; i < block; ++i) dst[j * ld_dst + i0 + i] = static_cast<half_t>(turned[j * kSumLanes + i]);
-      }
+      for_float_blocks(block, [&](const auto& tag, int64_t i) {
+        using V = std::decay_t<decltype(tag)>;
+        V v;
+        load_block(turned + j * kSumLanes + i, v);
+        store_block(v, dst + j * ld_dst + i0 + i);
+      });
     }
   }
 }
 
-// transpose_widening in blocks of 16 rows of src: whole 16x16 blocks widened and turned over in registers, the
-// others value by value.
+// transpose_widening in blocks of 16 rows of src: whole 16x16 blocks widened and turned over in registers where
+// the library's vectors hold 16 floats (transpose.cpp says why not elsewhere), the others value by value.
 template <typename half_t>
 DC_CPU_DISPATCH void transpose_widening_blocks(const half_t* src, int64_t rows, int64_t cols, int64_t ld_src,
                                                float* dst, int64_t ld_dst) {
   for (int64_t i0 = 0; i0 < rows; i0 += kSumLanes) {
     const int64_t block = std::min<int64_t>(kSumLanes, rows - i0);
     int64_t j0 = 0;
-    for (; block == kSumLanes && j0 + kSumLanes <= cols; j0 += kSumLanes) {
+    for (; kBlockLanes == kSumLanes && block == kSumLanes && j0 + kSumLanes <= cols; j0 += kSumLanes) {
       transpose_block(src + i0 * ld_src + j0, ld_src, nullptr, dst + j0 * ld_dst + i0, ld_dst);
     }
     for (int64_t j = j0; j < cols; ++j) {

@@ -51,7 +51,9 @@ DC_CPU_DISPATCH void transpose_in_blocks(const T* src, int64_t rows, int64_t col
     const int64_t block = std::min(kBlock, rows - i0);
     int64_t j0 = 0;
 #if defined(__GNUC__)
-    for (; block == kBlock && j0 + kBlock <= cols; j0 += kBlock) {
+    // (In registers where they hold 16 floats: elsewhere GCC keeps the blocks' vectors in memory, and the loop
+    // below ran faster -- G1's float32 forward on an AVX2 EPYC 13.7 -> 11.4 ms.)
+    for (; kBlockLanes == kSumLanes && block == kBlock && j0 + kBlock <= cols; j0 += kBlock) {
       if constexpr (std::is_same_v<T, float>) {
         transpose_block(src + i0 * ld_src + j0, ld_src, add != nullptr ? add + j0 : nullptr,
                         dst + j0 * ld_dst + i0, ld_dst);
