@@ -355,6 +355,11 @@ constexpr int kBlockLanes = kSumLanes / 4;
 constexpr int kBlockLanes = kSumLanes;
 #endif
 
+// A vector of kBlockLanes floats.
+using BlockLanes = std::conditional_t<kBlockLanes == kSumLanes, FloatLanes,
+                                      std::conditional_t<kBlockLanes == kSumLanes / 2, FloatHalfLanes,
+                                                         FloatQuarterLanes>>;
+
 template <typename F>
 inline void for_float_blocks(int64_t n, const F& f) {
   int64_t i = 0;
@@ -541,9 +546,76 @@ inline void add_scaled(acc_t w, const acc_t* __restrict__ src, int64_t len, acc_
   for (int64_t d = 0; d < len; ++d) dst[d] += w * src[d];
 }
 
+#if defined(__GNUC__)
+// lane_dots in float where the library's vectors hold fewer than 16 floats (kBlockLanes): each sum's 16 lanes as
+// kSumLanes / kBlockLanes vectors of kBlockLanes (lanes 0-7 and 8-15 for AVX2), the same products added into the
+// same lanes, and totalled in LaneSums::total()'s order: the same bits. (A vector of 16 floats, GCC keeps in memory
+// there: the coordinates' gradient of layers with few channels a point ran several times slower so.)
+template <int count, typename A, typename B>
+inline void lane_dots_in_blocks(const A* a, const B* const* b, int64_t len, float* dot) {
+  constexpr int kBlocks = kSumLanes / kBlockLanes;
+  static_assert(kBlocks == 2 || kBlocks == 4, "blocks of 8 or 4 lanes");
+  BlockLanes sums[count][kBlocks] = {};
+  // Lanes [0, n) of 16 from p in kBlocks vectors, +0 in the others.
+  const auto load = [](const auto* p, int n, BlockLanes (&lanes)[kBlocks]) {
+    for (int k = 0; k < kBlocks; ++k) {
+      const int first = k * kBlockLanes;
+      if (first + kBlockLanes <= n) {
+        load_block(p + first, lanes[k]);
+      } else {
+        lanes[k] = BlockLanes{};
+        int j = 0;
+#if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector
+        if constexpr (kBlockLanes == 8) {  // 4 of them widened at once (a half type's, value by value, c10's)
+          if (n - first >= 4) {
+            FloatQuarterLanes quarter;
+            load_block(p + first, quarter);
+            lanes[k] = __builtin_shufflevector(quarter, FloatQuarterLanes{}, 0, 1, 2, 3, 4, 5, 6, 7);
+            j = 4;
+          }
+        }
+#endif
+        for (; first + j < n; ++j) lanes[k][j] = static_cast<float>(p[first + j]);
+      }
+    }
+  };
+  for (int64_t d0 = 0; d0 < len; d0 += kSumLanes) {
+    const int n = static_cast<int>(std::min<int64_t>(kSumLanes, len - d0));
+    BlockLanes lanes_a[kBlocks];
+    load(a + d0, n, lanes_a);
+#pragma GCC unroll 4
+    for (int c = 0; c < count; ++c) {
+      BlockLanes lanes_b[kBlocks];
+      load(b[c] + d0, n, lanes_b);
+      for (int k = 0; k < kBlocks; ++k) sums[c][k] += lanes_a[k] * lanes_b[k];
+    }
+  }
+  for (int c = 0; c < count; ++c) {
+    // total(): lane j + lane j + 8, then j + j + 4, j + j + 2, 0 + 1.
+    FloatQuarterLanes quarter;
+    if constexpr (kBlocks == 2) {
+      const FloatHalfLanes half = sums[c][0] + sums[c][1];
+      FloatQuarterLanes low4, high4;
+      std::memcpy(&low4, &half, sizeof(low4));
+      std::memcpy(&high4, reinterpret_cast<const char*>(&half) + sizeof(low4), sizeof(high4));
+      quarter = low4 + high4;
+    } else {  // kBlocks == 4
+      quarter = (sums[c][0] + sums[c][2]) + (sums[c][1] + sums[c][3]);
+    }
+    dot[c] = (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+  }
+}
+#endif
+
 // dot[c] = sum over d < len of a[d] * b[c][d], for `count` vectors b[c], each summed in the lanes' order.
 template <int count, typename acc_t, typename A, typename B>
 inline void lane_dots(const A* a, const B* const* b, int64_t len, acc_t* dot) {
+#if defined(__GNUC__)
+  if constexpr (std::is_same_v<acc_t, float> && kBlockLanes < kSumLanes) {
+    lane_dots_in_blocks<count>(a, b, len, dot);
+    return;
+  }
+#endif
   LaneSums<acc_t> part[count];
 #if defined(__GNUC__)
   if constexpr (std::is_same_v<acc_t, float>) {  // a's lanes loaded once for all count vectors

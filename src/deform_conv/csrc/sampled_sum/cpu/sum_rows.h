@@ -52,7 +52,7 @@ constexpr int64_t kChannelBlock = 16;
 
 // kChannelBlock channels of sum_interior_group: for each, the K points' interior_sample added in order from 0, and
 // written once, rounded. In float (the accumulation type of float, float16 and bfloat16) the block is one vector
-// of cpu_lanes.h, the neighbours widened and the sums rounded there in registers (c10's float16 conversion, one
+// of cpu_lanes.h (or its parts: BlockLanes), the neighbours widened and the sums rounded there in registers (c10's float16 conversion, one
 // value at a time, kept the plain loop scalar): interior_sample's operations in its order, so the same bits.
 template <typename scalar_t, typename acc_t>
 inline void sum_interior_block(const acc_t* __restrict__ c0, const acc_t* __restrict__ c1, const acc_t* __restrict__ c2,
@@ -61,19 +61,23 @@ inline void sum_interior_block(const acc_t* __restrict__ c0, const acc_t* __rest
                                int64_t pixel_stride, scalar_t* out) {
 #if defined(__GNUC__)
   if constexpr (std::is_same_v<acc_t, float>) {
-    static_assert(kChannelBlock == kSumLanes, "a block is one vector of lanes");
-    FloatLanes block = {};
-    for (int64_t k = 0; k < count; ++k) {
-      const scalar_t* v0 = image + top_left[k];
-      const scalar_t* v2 = v0 + down[k];
-      FloatLanes n0, n1, n2, n3;
-      load_lanes(v0, n0);
-      load_lanes(v0 + pixel_stride, n1);
-      load_lanes(v2, n2);
-      load_lanes(v2 + pixel_stride, n3);
-      block += c0[k] * n0 + c1[k] * n1 + c2[k] * n2 + c3[k] * n3;
+    static_assert(kChannelBlock % kBlockLanes == 0, "a block is whole vectors of lanes");
+    // One vector, or (where the library's vectors hold fewer than 16 floats: kBlockLanes) its parts one after
+    // another: GCC keeps a vector wider than the registers in memory.
+    for (int64_t s = 0; s < kChannelBlock; s += kBlockLanes) {
+      BlockLanes block = {};
+      for (int64_t k = 0; k < count; ++k) {
+        const scalar_t* v0 = image + top_left[k] + s;
+        const scalar_t* v2 = v0 + down[k];
+        BlockLanes n0, n1, n2, n3;
+        load_block(v0, n0);
+        load_block(v0 + pixel_stride, n1);
+        load_block(v2, n2);
+        load_block(v2 + pixel_stride, n3);
+        block += c0[k] * n0 + c1[k] * n1 + c2[k] * n2 + c3[k] * n3;
+      }
+      store_block(block, out + s);
     }
-    store_lanes(block, out);
     return;
   }
 #endif
