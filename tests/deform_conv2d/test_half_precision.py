@@ -428,34 +428,48 @@ def test_float32_path_reads_the_half_tensors_as_they_are(half, shape, layout):
     """Without a half GEMM, a layer the float32 tiled path takes (its tiles fit, on the batch-reduce GEMM) runs there
     in float32, its image and weight widened as they are turned and its output rounded as it is turned back: the
     bits of the float32 path on widened copies, and no widened copy of the input (ATen converts only the offsets,
-    the mask and the bias). Other layers (taps * C_in + C_out > 4096 here) run on widened copies. Inputs turned per
-    thread (an image per thread), up front (fewer images than threads: "one_image"), or already channels-last."""
+    the mask and the bias). Other layers (taps * C_in + C_out > 4096 here) run on widened copies. On 2 threads the
+    input is turned per thread (an image per thread), up front (fewer images than threads: "one_image"), or is
+    channels-last already."""
     kwargs = dict(LARGE_LAYER, batch=2) if shape == "large_layer" else NATIVE_SHAPES[shape]
     case = make_case(torch.float32, **kwargs)
     tensors = halves(case, half)
-    x = tensors[0]
+    x, weight = tensors[0], tensors[2]
     if layout == "channels_last":
         tensors[0] = x.contiguous(memory_format=torch.channels_last)
     elif layout == "strided":
         tensors[0] = torch.stack((x, x), dim=-1)[..., 1]
-    with half_gemm_path("float32"):
-        with torch.profiler.profile(record_shapes=True) as profile:
-            got = case.call(ours, tensors)
-    assert torch.equal(got, float32_rounded(case, tensors, half))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with half_gemm_path("float32"):
+            with torch.profiler.profile(record_shapes=True) as profile:
+                got = case.call(ours, tensors)
+        expected = float32_rounded(case, tensors, half)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))  # bit for bit, -0 included
     converted = [event.input_shapes[0] for event in profile.events() if event.name == "aten::_to_copy"]
     tiled = shape != "large_layer" and torch.ops.deform_conv.brgemm_available()
     assert (list(x.shape) not in converted) == tiled, converted
+    assert (list(weight.shape) not in converted) == tiled, converted
 
 
 @HALF_TYPES
 def test_float32_path_propagates_nan(half):
+    """NaN offsets and weights, and an infinite pixel, on the float32 tiled path of a half-type layer: NaN where
+    the float32 path on widened copies has NaN, its values elsewhere."""
     case = make_case(torch.float32, **NATIVE_SHAPES["panels_depth_blocks"])
     tensors = halves(case, half)
     tensors[1][0, 0, 2, 3] = float("nan")  # one point's dy
     tensors[0][1, 5, 0, 0] = float("inf")  # an infinite input pixel
     tensors[2][7, 3, 1, 1] = float("nan")  # a weight
     with half_gemm_path("float32"):
-        got = case.call(ours, tensors)
+        with torch.profiler.profile(record_shapes=True) as profile:
+            got = case.call(ours, tensors)
+    converted = [event.input_shapes[0] for event in profile.events() if event.name == "aten::_to_copy"]
+    if torch.ops.deform_conv.brgemm_available():
+        assert list(tensors[0].shape) not in converted, converted  # the tiled path ran
     expected = float32_rounded(case, tensors, half)
     assert torch.isnan(got).any() and torch.isinf(got).any()
     assert torch.equal(torch.isnan(got), torch.isnan(expected))

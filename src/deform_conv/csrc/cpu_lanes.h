@@ -546,7 +546,7 @@ inline void add_scaled(acc_t w, const acc_t* __restrict__ src, int64_t len, acc_
   for (int64_t d = 0; d < len; ++d) dst[d] += w * src[d];
 }
 
-#if defined(__GNUC__)
+#if defined(__GNUC__) && (DC_CPU_VECTOR_BITS == 256 || DC_CPU_VECTOR_BITS == 128)
 // lane_dots in float where the library's vectors hold fewer than 16 floats (kBlockLanes): each sum's 16 lanes as
 // kSumLanes / kBlockLanes vectors of kBlockLanes (lanes 0-7 and 8-15 for AVX2), the same products added into the
 // same lanes, and totalled in LaneSums::total()'s order: the same bits. (A vector of 16 floats, GCC keeps in memory
@@ -565,14 +565,12 @@ inline void lane_dots_in_blocks(const A* a, const B* const* b, int64_t len, floa
       } else {
         lanes[k] = BlockLanes{};
         int j = 0;
-#if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector
-        if constexpr (kBlockLanes == 8) {  // 4 of them widened at once (a half type's, value by value, c10's)
-          if (n - first >= 4) {
-            FloatQuarterLanes quarter;
-            load_block(p + first, quarter);
-            lanes[k] = __builtin_shufflevector(quarter, FloatQuarterLanes{}, 0, 1, 2, 3, 4, 5, 6, 7);
-            j = 4;
-          }
+#if DC_CPU_VECTOR_BITS == 256 && (defined(__clang__) || __GNUC__ >= 12)  // __builtin_shufflevector
+        if (n - first >= 4) {  // 4 of them widened at once (a half type's, value by value, c10's)
+          FloatQuarterLanes quarter;
+          load_block(p + first, quarter);
+          lanes[k] = __builtin_shufflevector(quarter, FloatQuarterLanes{}, 0, 1, 2, 3, 4, 5, 6, 7);
+          j = 4;
         }
 #endif
         for (; first + j < n; ++j) lanes[k][j] = static_cast<float>(p[first + j]);
@@ -610,8 +608,8 @@ inline void lane_dots_in_blocks(const A* a, const B* const* b, int64_t len, floa
 // dot[c] = sum over d < len of a[d] * b[c][d], for `count` vectors b[c], each summed in the lanes' order.
 template <int count, typename acc_t, typename A, typename B>
 inline void lane_dots(const A* a, const B* const* b, int64_t len, acc_t* dot) {
-#if defined(__GNUC__)
-  if constexpr (std::is_same_v<acc_t, float> && kBlockLanes < kSumLanes) {
+#if defined(__GNUC__) && (DC_CPU_VECTOR_BITS == 256 || DC_CPU_VECTOR_BITS == 128)
+  if constexpr (std::is_same_v<acc_t, float>) {
     lane_dots_in_blocks<count>(a, b, len, dot);
     return;
   }
