@@ -336,17 +336,11 @@ struct LaneSums<float> {
   }
 };
 
-// An elementwise loop over n floats in vector registers, its remainder included: f(tag, i) for blocks starting at
-// i, tag a FloatLanes while 16 remain, then a FloatHalfLanes for 8, a FloatQuarterLanes for 4, then a float for
-// each of the last ones (from kBlockLanes down, below). f loads and stores as many floats as sizeof its tag (std::memcpy) and computes on them
-// as on scalars, so every element gets the same operations: the same bits as a plain loop. (The compiler's own
-// vectorisation leaves a loop's remainder scalar in this library -- sources.py's GCC flags --, and layers whose
-// channels come in pieces of 8, offset groups across few channels, ran wholly scalar.)
-// The blocks are at most as wide as the library's vector registers where it is compiled for one instruction set
-// (kBlockLanes: 8 floats for AVX2, 4 for baseline x86-64): GCC keeps a vector wider than the registers in memory,
-// and multiplying it by a scalar built its 16 lanes there value by value, each point's four weights 64 stores and
-// loads that wait on them (the float32 fill of a layer of 16 channels an offset group ran 7 times slower so on an
-// AVX2 EPYC). Elementwise, the width changes no value.
+// The widest vector of floats the library's loops use (kBlockLanes, BlockLanes): 16 lanes, or where the library
+// is compiled for an instruction set whose registers hold fewer, as many as they hold (AVX2: 8, baseline x86-64:
+// 4). GCC keeps a vector wider than the registers in memory, and multiplying it by a scalar built its 16 lanes there
+// value by value, each sampling point's four weights 64 stores and loads that wait on them (the float32 fill of a
+// layer of 16 channels an offset group ran 7 times slower so on an AVX2 EPYC).
 #if DC_CPU_VECTOR_BITS == 256
 constexpr int kBlockLanes = kSumLanes / 2;
 #elif DC_CPU_VECTOR_BITS == 128
@@ -360,6 +354,13 @@ using BlockLanes = std::conditional_t<kBlockLanes == kSumLanes, FloatLanes,
                                       std::conditional_t<kBlockLanes == kSumLanes / 2, FloatHalfLanes,
                                                          FloatQuarterLanes>>;
 
+// An elementwise loop over n floats in vector registers, its remainder included: f(tag, i) for blocks starting at
+// i, tag a FloatLanes while 16 remain, then a FloatHalfLanes for 8, a FloatQuarterLanes for 4, then a float for
+// each of the last ones (no wider than kBlockLanes: elementwise, the width changes no value). f loads and stores as
+// many floats as sizeof its tag (std::memcpy) and computes on them as on scalars, so every element gets the same
+// operations: the same bits as a plain loop. (The compiler's own vectorisation leaves a loop's remainder scalar in
+// this library -- sources.py's GCC flags --, and layers whose channels come in pieces of 8, offset groups across
+// few channels, ran wholly scalar.)
 template <typename F>
 inline void for_float_blocks(int64_t n, const F& f) {
   int64_t i = 0;
