@@ -95,40 +95,9 @@ DC_CPU_DISPATCH void transpose_narrowing_blocks(const float* src, int64_t rows, 
     }
   }
 }
-
-// transpose_widening in blocks of 16 rows of src: whole 16x16 blocks widened and turned over in registers where
-// the library's vectors hold 16 floats (transpose.cpp says why not elsewhere), the others value by value.
-template <typename half_t>
-DC_CPU_DISPATCH void transpose_widening_blocks(const half_t* src, int64_t rows, int64_t cols, int64_t ld_src,
-                                               float* dst, int64_t ld_dst) {
-  for (int64_t i0 = 0; i0 < rows; i0 += kSumLanes) {
-    const int64_t block = std::min<int64_t>(kSumLanes, rows - i0);
-    int64_t j0 = 0;
-    for (; kBlockLanes == kSumLanes && block == kSumLanes && j0 + kSumLanes <= cols; j0 += kSumLanes) {
-      transpose_block(src + i0 * ld_src + j0, ld_src, nullptr, dst + j0 * ld_dst + i0, ld_dst);
-    }
-    for (int64_t j = j0; j < cols; ++j) {
-      for (int64_t i = 0; i < block; ++i) dst[j * ld_dst + i0 + i] = static_cast<float>(src[(i0 + i) * ld_src + j]);
-    }
-  }
-}
 #endif
 
 }  // namespace
-
-template <typename half_t>
-void transpose_widening(const half_t* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst, int64_t ld_dst) {
-#if defined(__GNUC__)
-  transpose_widening_blocks(src, rows, cols, ld_src, dst, ld_dst);
-#else
-  for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t j = 0; j < cols; ++j) dst[j * ld_dst + i] = static_cast<float>(src[i * ld_src + j]);
-  }
-#endif
-}
-
-template void transpose_widening<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, int64_t, float*, int64_t);
-template void transpose_widening<c10::Half>(const c10::Half*, int64_t, int64_t, int64_t, float*, int64_t);
 
 template <typename half_t>
 void transpose_narrowing(const float* src, int64_t rows, int64_t cols, int64_t ld_src, half_t* dst, int64_t ld_dst,

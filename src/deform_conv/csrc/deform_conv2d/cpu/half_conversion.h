@@ -21,10 +21,5 @@ template <typename half_t>
 void transpose_narrowing(const float* src, int64_t rows, int64_t cols, int64_t ld_src, half_t* dst, int64_t ld_dst,
                          const float* add);
 
-// dst[j * ld_dst + i] = src[i * ld_src + j] widened to float32, exactly, for i < rows, j < cols: a half-type image
-// turned to channels-last for the float32 path (tiled_forward.h), in one pass instead of a widened copy and a turn.
-template <typename half_t>
-void transpose_widening(const half_t* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst, int64_t ld_dst);
-
 }  // namespace cpu
 }  // namespace deform_conv

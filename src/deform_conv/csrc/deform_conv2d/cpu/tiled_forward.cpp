@@ -114,11 +114,7 @@ at::Tensor channels_last(const at::Tensor& input, at::ScalarType dtype) {
 template <typename scalar_t, typename image_t>
 void turn_image(const ConvParams& p, const image_t* image, scalar_t* turned) {
   const int64_t plane = p.height * p.width;
-  if constexpr (std::is_same_v<scalar_t, image_t>) {
-    transpose(image, p.in_channels, plane, plane, turned, p.in_channels);
-  } else {
-    transpose_widening(image, p.in_channels, plane, plane, turned, p.in_channels);
-  }
+  transpose(image, p.in_channels, plane, plane, turned, p.in_channels);
 }
 
 // The weight [C_out, C_in/G, kh, kw] as the GEMMs read it: for each group, its output channels in panels of
@@ -160,13 +156,8 @@ at::Tensor unpacked_panels(const ConvParams& p, const at::Tensor& weight) {
       const int64_t width = std::min(kPanelWidth, out_per_group - c);
       const int64_t depth = std::min(kPanelRowsPerTask, per_group - k0);
       const int64_t first_row = g * out_per_group + c;
-      const weight_t* from = rows + first_row * per_group + k0;
-      scalar_t* into = to + first_row * per_group + k0 * width;
-      if constexpr (std::is_same_v<scalar_t, weight_t>) {
-        transpose(from, width, depth, per_group, into, width);
-      } else {
-        transpose_widening(from, width, depth, per_group, into, width);
-      }
+      transpose(rows + first_row * per_group + k0, width, depth, per_group, to + first_row * per_group + k0 * width,
+                width);
     }
   });
   return panels;

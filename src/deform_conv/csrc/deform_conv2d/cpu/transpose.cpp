@@ -41,10 +41,11 @@ inline void transpose_bits_block(const T* src, int64_t ld_src, T* dst, int64_t l
 #endif
 
 // In blocks of 16 rows of src: the lines they span stay in the L1 cache while every column reads them, and each
-// row of dst is written 16 contiguous values at a time; whole 16x16 blocks turned over in registers. T: float
-// (with `add`), or uint16_t or uint32_t, the bits of one or two values of a half type (`add` nullptr).
-template <typename T>
-DC_CPU_DISPATCH void transpose_in_blocks(const T* src, int64_t rows, int64_t cols, int64_t ld_src, T* dst,
+// row of dst is written 16 contiguous values at a time; whole 16x16 blocks turned over in registers. T: float from
+// S float (with `add`) or a half type (widened, `add` nullptr); or S = T uint16_t or uint32_t, the bits of one or
+// two values of a half type (`add` nullptr).
+template <typename S, typename T>
+DC_CPU_DISPATCH void transpose_in_blocks(const S* src, int64_t rows, int64_t cols, int64_t ld_src, T* dst,
                                          int64_t ld_dst, const float* add) {
   constexpr int64_t kBlock = 16;
   for (int64_t i0 = 0; i0 < rows; i0 += kBlock) {
@@ -63,16 +64,16 @@ DC_CPU_DISPATCH void transpose_in_blocks(const T* src, int64_t rows, int64_t col
     }
 #endif
     for (int64_t j = j0; j < cols; ++j) {
-      const T* __restrict__ from = src + i0 * ld_src + j;
+      const S* __restrict__ from = src + i0 * ld_src + j;
       T* __restrict__ to = dst + j * ld_dst + i0;
       if constexpr (std::is_same_v<T, float>) {
         if (add != nullptr) {
           const float a = add[j];
-          for (int64_t i = 0; i < block; ++i) to[i] = from[i * ld_src] + a;
+          for (int64_t i = 0; i < block; ++i) to[i] = static_cast<float>(from[i * ld_src]) + a;
           continue;
         }
       }
-      for (int64_t i = 0; i < block; ++i) to[i] = from[i * ld_src];
+      for (int64_t i = 0; i < block; ++i) to[i] = static_cast<T>(from[i * ld_src]);
     }
   }
 }
@@ -159,6 +160,15 @@ void transpose(const half_t* src, int64_t rows, int64_t cols, int64_t ld_src, ha
 
 template void transpose<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, int64_t, c10::BFloat16*, int64_t);
 template void transpose<c10::Half>(const c10::Half*, int64_t, int64_t, int64_t, c10::Half*, int64_t);
+
+template <typename half_t>
+void transpose(const half_t* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst, int64_t ld_dst) {
+  static_assert(sizeof(half_t) == sizeof(uint16_t), "a 16-bit type");
+  transpose_in_blocks(src, rows, cols, ld_src, dst, ld_dst, nullptr);
+}
+
+template void transpose<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, int64_t, float*, int64_t);
+template void transpose<c10::Half>(const c10::Half*, int64_t, int64_t, int64_t, float*, int64_t);
 
 void transpose(const uint32_t* src, int64_t rows, int64_t cols, int64_t ld_src, uint32_t* dst, int64_t ld_dst) {
   transpose_in_blocks(src, rows, cols, ld_src, dst, ld_dst, nullptr);
