@@ -192,7 +192,9 @@ at::Tensor deform_conv2d_forward(const at::Tensor& input, const at::Tensor& offs
       return forward_with(kPasses, p, input, widened(offset), weight, widened(mask), bias, input.scalar_type());
     }
     // In float32: tiled, reading the half-type tensors as they are; else on widened copies.
-    if (!p.is_depthwise() && tiled_forward_applies(p, input)) return tiled_forward(p, input, offset, mask, weight, bias);
+    if (!p.is_depthwise() && tiled_forward_applies(p, input)) {
+      return tiled_forward(p, input, offset, mask, weight, bias);
+    }
     return deform_conv2d_forward(widened(input), widened(offset), widened(weight), widened(mask), widened(bias), stride, padding,
                    dilation, border_gradient)
         .to(input.scalar_type());

@@ -328,7 +328,9 @@ bool native_half(at::ScalarType dtype) { return is_half_type(dtype) && half_gemm
 
 bool tiled_forward_applies(const ConvParams& p, const at::Tensor& input) {
   const at::ScalarType dtype = input.scalar_type();
-  if (!native_half(dtype)) return (dtype == at::kFloat || is_half_type(dtype)) && fits_tiles(p) && batch_reduce_gemm_works();
+  if (!native_half(dtype)) {
+    return (dtype == at::kFloat || is_half_type(dtype)) && fits_tiles(p) && batch_reduce_gemm_works();
+  }
   if (p.taps() * p.in_channels_per_group() % 2 != 0) return false;
   // A half-type layer whose tiles would not fit takes tiles of whole images (kMinLargeLayerTilePixels), unless its
   // weight is large against all its rows: the driver's matrix products then read it once (bfloat16 on the Xeon, 2

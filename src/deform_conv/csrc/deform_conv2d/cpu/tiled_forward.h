@@ -5,9 +5,10 @@
 // multiplies them natively (half_gemm.h): the sampling in float32 from the image in its type (widened as it is
 // loaded), the columns rounded once to the half type for the GEMM, which sums in float32, and the output rounded
 // once; where their tiles would not fit, in tiles of whole images. Elsewhere they take the float32 path here, the
-// image and the weight widened as they are turned and the output rounded as it is turned back. On the driver's path (columns_driver.h) the
-// columns of a whole chunk go out to memory and come back for the GEMM, and the output makes a round trip in
-// channels-last: for a layer of 64 channels at 56x56 that traffic costs about as much as the sampling itself.
+// image and the weight widened as they are turned and the output rounded as it is turned back. On the driver's
+// path (columns_driver.h) the columns of a whole chunk go out to memory and come back for the GEMM, and the output
+// makes a round trip in channels-last: for a layer of 64 channels at 56x56 that traffic costs about as much as the
+// sampling itself.
 #pragma once
 
 #include <ATen/core/Tensor.h>

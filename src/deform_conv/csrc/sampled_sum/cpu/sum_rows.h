@@ -52,8 +52,9 @@ constexpr int64_t kChannelBlock = 16;
 
 // kChannelBlock channels of sum_interior_group: for each, the K points' interior_sample added in order from 0, and
 // written once, rounded. In float (the accumulation type of float, float16 and bfloat16) the block is one vector
-// of cpu_lanes.h (or its parts: BlockLanes), the neighbours widened and the sums rounded there in registers (c10's float16 conversion, one
-// value at a time, kept the plain loop scalar): interior_sample's operations in its order, so the same bits.
+// of cpu_lanes.h (or its parts: BlockLanes), the neighbours widened and the sums rounded there in registers (c10's
+// float16 conversion, one value at a time, kept the plain loop scalar): interior_sample's operations in its order,
+// so the same bits.
 template <typename scalar_t, typename acc_t>
 inline void sum_interior_block(const acc_t* __restrict__ c0, const acc_t* __restrict__ c1, const acc_t* __restrict__ c2,
                                const acc_t* __restrict__ c3, const int64_t* __restrict__ top_left,
