@@ -410,64 +410,73 @@ inline void store_block(const V& v, T* p) {
 #endif
 
 #if defined(__GNUC__)
-typedef int32_t IndexLanes __attribute__((vector_size(kSumLanes * sizeof(int32_t))));
+// The number of floats in a vector of them (FloatLanes, FloatHalfLanes, FloatQuarterLanes).
+template <typename V>
+constexpr int kLanesOf = static_cast<int>(sizeof(V) / sizeof(float));
 
-// Lanes Lane::at(i), i < 16, of a (numbered 0-15) and b (16-31), as the shuffle builtins number them.
-template <typename Lane, int... i>
-inline FloatLanes shuffle_lanes(const FloatLanes& a, const FloatLanes& b, std::integer_sequence<int, i...>) {
+// Lanes Lane::at(i), i < n, of a (numbered 0 to n - 1) and b (n to 2n - 1), vectors of n floats, as the shuffle
+// builtins number them.
+template <typename Lane, typename V, int... i>
+inline V shuffle_lanes(const V& a, const V& b, std::integer_sequence<int, i...>) {
 #if defined(__clang__)
   return __builtin_shufflevector(a, b, Lane::at(i)...);
 #else
-  return __builtin_shuffle(a, b, IndexLanes{Lane::at(i)...});
+  return __builtin_shuffle(a, b, typename LaneBits<V>::Bits{static_cast<uint32_t>(Lane::at(i))...});
 #endif
 }
 
-template <typename Lane>
-inline FloatLanes shuffle_lanes(const FloatLanes& a, const FloatLanes& b) {
-  return shuffle_lanes<Lane>(a, b, std::make_integer_sequence<int, kSumLanes>{});
+template <typename Lane, typename V>
+inline V shuffle_lanes(const V& a, const V& b) {
+  return shuffle_lanes<Lane>(a, b, std::make_integer_sequence<int, kLanesOf<V>>{});
 }
 
-// For transpose_round: of each 2h lanes, the first h from a's and then h from b's run number `part` (0 or 1) of h
-// lanes.
-template <int h, int part>
+// For transpose_round over vectors of n lanes: of each 2h lanes, the first h from a's and then h from b's run number
+// `part` (0 or 1) of h lanes.
+template <int n, int h, int part>
 struct RunLane {
   static constexpr int at(int i) {
     const int chunk = i / (2 * h) * (2 * h), offset = i % (2 * h);
-    return offset < h ? chunk + part * h + offset : kSumLanes + chunk + part * h + offset - h;
+    return offset < h ? chunk + part * h + offset : n + chunk + part * h + offset - h;
   }
 };
 
-// rows[0..15] (16 rows of 16 floats) turned over in registers: rows[k][i] becomes rows[i][k]. Four rounds, each
-// pairing rows h apart (h = 8, 4, 2, 1) and interleaving their runs of h lanes: 64 two-vector shuffles for 256
-// values, where moving them one by one took a load and a store each.
-template <int h>
-inline void transpose_round(FloatLanes rows[kSumLanes]) {
-  for (int r = 0; r < kSumLanes; ++r) {
+// rows[0..n-1] (n rows of n floats, V a vector of n) turned over in registers: rows[k][i] becomes rows[i][k].
+// log2(n) rounds, each pairing rows h apart (h = n/2, ..., 2, 1) and interleaving their runs of h lanes: for 16
+// lanes 64 two-vector shuffles for 256 values, where moving them one by one took a load and a store each.
+template <int h, typename V>
+inline void transpose_round(V* rows) {
+  constexpr int n = kLanesOf<V>;
+#pragma GCC unroll 16
+  for (int r = 0; r < n; ++r) {
     if (r & h) continue;
-    const FloatLanes a = rows[r], b = rows[r + h];
-    rows[r] = shuffle_lanes<RunLane<h, 0>>(a, b);
-    rows[r + h] = shuffle_lanes<RunLane<h, 1>>(a, b);
+    const V a = rows[r], b = rows[r + h];
+    rows[r] = shuffle_lanes<RunLane<n, h, 0>>(a, b);
+    rows[r + h] = shuffle_lanes<RunLane<n, h, 1>>(a, b);
   }
 }
 
-inline void transpose_lanes(FloatLanes rows[kSumLanes]) {
-  transpose_round<8>(rows);
-  transpose_round<4>(rows);
+template <typename V>
+inline void transpose_lanes(V* rows) {
+  if constexpr (kLanesOf<V> >= 16) transpose_round<8>(rows);
+  if constexpr (kLanesOf<V> >= 8) transpose_round<4>(rows);
   transpose_round<2>(rows);
   transpose_round<1>(rows);
 }
 
-// The 16x16 block src[i * ld_src + j] (+ add[j]) into dst[j * ld_dst + i], i, j < 16: src float, or a half type
-// widened as it is loaded (load_lanes); dst float, or a half type each row rounded in registers (store_lanes).
-// `add` nullptr adds nothing (adding 0 would turn -0 into +0).
+// The n x n block src[i * ld_src + j] (+ add[j]) into dst[j * ld_dst + i], i, j < n, n the library's vector width
+// (kBlockLanes: 16, 8 for AVX2, 4 for baseline x86-64): src float, or a half type widened as it is loaded
+// (load_block); dst float, or a half type each row rounded in registers (store_block). `add` nullptr adds nothing
+// (adding 0 would turn -0 into +0).
 template <typename S, typename T>
 inline void transpose_block(const S* src, int64_t ld_src, const float* add, T* dst, int64_t ld_dst) {
-  FloatLanes lanes[kSumLanes];
-  for (int i = 0; i < kSumLanes; ++i) load_lanes(src + i * ld_src, lanes[i]);
+  BlockLanes lanes[kBlockLanes];
+#pragma GCC unroll 16
+  for (int i = 0; i < kBlockLanes; ++i) load_block(src + i * ld_src, lanes[i]);
   transpose_lanes(lanes);
-  for (int j = 0; j < kSumLanes; ++j) {
+#pragma GCC unroll 16
+  for (int j = 0; j < kBlockLanes; ++j) {
     if (add != nullptr) lanes[j] += add[j];
-    store_lanes(lanes[j], dst + j * ld_dst);
+    store_block(lanes[j], dst + j * ld_dst);
   }
 }
 

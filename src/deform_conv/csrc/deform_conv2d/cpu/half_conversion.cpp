@@ -62,19 +62,20 @@ void narrow(const float* src, int64_t n, c10::Half* dst) {
 namespace {
 
 #if defined(__GNUC__)
-// transpose_narrowing in blocks of 16 rows of src: whole 16x16 blocks turned over in registers, each row of 16
-// rounded there (cpu_lanes.h) and stored, where the library's vectors hold 16 floats (transpose.cpp says why not
-// elsewhere); the block's other columns turned over in float32 into `turned` [cols, 16] first, then rounded in
-// vector blocks (for_float_blocks).
+// transpose_narrowing in blocks of 16 rows of src: whole blocks of the library's vector width turned over in
+// registers (transpose.cpp), each row rounded there (cpu_lanes.h) and stored; the block's other columns turned
+// over in float32 into `turned` [cols, 16] first, then rounded in vector blocks (for_float_blocks).
 template <typename half_t>
 DC_CPU_DISPATCH void transpose_narrowing_blocks(const float* src, int64_t rows, int64_t cols, int64_t ld_src,
                                                 half_t* dst, int64_t ld_dst, const float* add, float* turned) {
   for (int64_t i0 = 0; i0 < rows; i0 += kSumLanes) {
     const int64_t block = std::min<int64_t>(kSumLanes, rows - i0);
     int64_t j0 = 0;
-    for (; kBlockLanes == kSumLanes && block == kSumLanes && j0 + kSumLanes <= cols; j0 += kSumLanes) {
-      transpose_block(src + i0 * ld_src + j0, ld_src, add != nullptr ? add + j0 : nullptr, dst + j0 * ld_dst + i0,
-                      ld_dst);
+    for (; block == kSumLanes && j0 + kBlockLanes <= cols; j0 += kBlockLanes) {
+      for (int64_t i = i0; i < i0 + kSumLanes; i += kBlockLanes) {
+        transpose_block(src + i * ld_src + j0, ld_src, add != nullptr ? add + j0 : nullptr, dst + j0 * ld_dst + i,
+                        ld_dst);
+      }
     }
     for (int64_t j = j0; j < cols; ++j) {
       const float* from = src + i0 * ld_src + j;

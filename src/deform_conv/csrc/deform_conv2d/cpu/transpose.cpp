@@ -18,21 +18,24 @@ namespace cpu {
 namespace {
 
 #if defined(__GNUC__)
-// One 16x16 block of 16-bit or 32-bit values turned over in registers, bit for bit: each value in a 32-bit lane of
-// its own (16-bit ones zero-extended: the shuffles move bits, they compute nothing).
+// One n x n block (n = kBlockLanes) of 16-bit or 32-bit values turned over in registers, bit for bit: each value in a
+// 32-bit lane of its own (16-bit ones zero-extended: the shuffles move bits, they compute nothing).
 template <typename T>
 inline void transpose_bits_block(const T* src, int64_t ld_src, T* dst, int64_t ld_dst) {
-  using Row = std::conditional_t<sizeof(T) == 2, HalfBitLanes, BitLanes>;
-  FloatLanes lanes[kSumLanes];
-  for (int i = 0; i < kSumLanes; ++i) {
+  using Bits = typename LaneBits<BlockLanes>::Bits;
+  using Row = std::conditional_t<sizeof(T) == 2, typename LaneBits<BlockLanes>::Half, Bits>;
+  BlockLanes lanes[kBlockLanes];
+#pragma GCC unroll 16
+  for (int i = 0; i < kBlockLanes; ++i) {
     Row row;
     std::memcpy(&row, src + i * ld_src, sizeof(row));
-    const BitLanes bits = __builtin_convertvector(row, BitLanes);
+    const Bits bits = __builtin_convertvector(row, Bits);
     std::memcpy(&lanes[i], &bits, sizeof(bits));
   }
   transpose_lanes(lanes);
-  for (int j = 0; j < kSumLanes; ++j) {
-    BitLanes bits;
+#pragma GCC unroll 16
+  for (int j = 0; j < kBlockLanes; ++j) {
+    Bits bits;
     std::memcpy(&bits, &lanes[j], sizeof(bits));
     const Row row = __builtin_convertvector(bits, Row);
     std::memcpy(dst + j * ld_dst, &row, sizeof(row));
@@ -41,9 +44,10 @@ inline void transpose_bits_block(const T* src, int64_t ld_src, T* dst, int64_t l
 #endif
 
 // In blocks of 16 rows of src: the lines they span stay in the L1 cache while every column reads them, and each
-// row of dst is written 16 contiguous values at a time; whole 16x16 blocks turned over in registers. T: float from
-// S float (with `add`) or a half type (widened, `add` nullptr); or S = T uint16_t or uint32_t, the bits of one or
-// two values of a half type (`add` nullptr).
+// row of dst is written 16 contiguous values at a time; whole blocks of the library's vector width turned over in
+// registers (16x16, or 8x8 for AVX2: GCC keeps a vector wider than the registers in memory, and 16x16 blocks there
+// ran slower than value by value). T: float from S float (with `add`) or a half type (widened, `add` nullptr); or
+// S = T uint16_t or uint32_t, the bits of one or two values of a half type (`add` nullptr).
 template <typename S, typename T>
 DC_CPU_DISPATCH void transpose_in_blocks(const S* src, int64_t rows, int64_t cols, int64_t ld_src, T* dst,
                                          int64_t ld_dst, const float* add) {
@@ -52,14 +56,14 @@ DC_CPU_DISPATCH void transpose_in_blocks(const S* src, int64_t rows, int64_t col
     const int64_t block = std::min(kBlock, rows - i0);
     int64_t j0 = 0;
 #if defined(__GNUC__)
-    // (In registers where they hold 16 floats: elsewhere GCC keeps the blocks' vectors in memory, and the loop
-    // below ran faster -- G1's float32 forward on an AVX2 EPYC 13.7 -> 11.4 ms.)
-    for (; kBlockLanes == kSumLanes && block == kBlock && j0 + kBlock <= cols; j0 += kBlock) {
-      if constexpr (std::is_same_v<T, float>) {
-        transpose_block(src + i0 * ld_src + j0, ld_src, add != nullptr ? add + j0 : nullptr,
-                        dst + j0 * ld_dst + i0, ld_dst);
-      } else {
-        transpose_bits_block(src + i0 * ld_src + j0, ld_src, dst + j0 * ld_dst + i0, ld_dst);
+    for (; block == kBlock && j0 + kBlockLanes <= cols; j0 += kBlockLanes) {
+      for (int64_t i = i0; i < i0 + kBlock; i += kBlockLanes) {
+        if constexpr (std::is_same_v<T, float>) {
+          transpose_block(src + i * ld_src + j0, ld_src, add != nullptr ? add + j0 : nullptr, dst + j0 * ld_dst + i,
+                          ld_dst);
+        } else {
+          transpose_bits_block(src + i * ld_src + j0, ld_src, dst + j0 * ld_dst + i, ld_dst);
+        }
       }
     }
 #endif
