@@ -274,8 +274,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
     const int64_t element_size = grad_column_options.dtype().itemsize();
     int64_t chunk = images_per_chunk(p, element_size, passes.column_budget_bytes, extra_per_image);
     if (passes.stretched_budget_bytes > 0) {
+      const int64_t threads = at::get_num_threads();
       const int64_t stretched = images_per_chunk(p, element_size, passes.stretched_budget_bytes, extra_per_image);
-      chunk = std::max(chunk, std::min({int64_t(at::get_num_threads()), stretched, p.batch}));
+      chunk = std::max(chunk, std::min({threads, stretched, p.batch}));
+      // And a whole number of images per thread, where the chunk has more images than threads: the CPU's passes
+      // then give each thread whole images (3 images a chunk on 2 threads had the input gradient's channels split
+      // between them, each repeating the sampling of every point).
+      if (chunk > threads) chunk -= chunk % threads;
     }
     TORCH_CHECK(!columns_apart || (!chunk_gemms && passes.backward_gemms != nullptr),
                 "deform_conv: half-type backward columns need the backend's backward GEMMs");

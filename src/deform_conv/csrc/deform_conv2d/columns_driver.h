@@ -51,7 +51,8 @@ struct SamplingPasses {
   // for the same slot again; nullptr: a fresh at::empty each time.
   at::Tensor (*scratch)(ScratchSlot slot, at::IntArrayRef sizes, const at::TensorOptions& options);
   // A backward chunk holds at least as many images as threads (at::get_num_threads), where the batch has them
-  // and their columns fit in these many bytes; 0: the budget alone decides. (The CPU's input gradient gives each
+  // and their columns fit in these many bytes, and where it holds more, a multiple of the thread count; 0: the
+  // budget alone decides. (The CPU's input gradient gives each
   // thread images of its own; with fewer images than threads it splits their channels instead, and each thread
   // repeats the sampling of every point: S1 of the benchmark scaled 1.33x from one thread to two that way, 1.74x
   // with two images.)
