@@ -557,6 +557,23 @@ inline void add_scaled(acc_t w, const acc_t* __restrict__ src, int64_t len, acc_
 }
 
 #if defined(__GNUC__) && (DC_CPU_VECTOR_BITS == 256 || DC_CPU_VECTOR_BITS == 128)
+// Lanes [0, n) of a block of kBlockLanes from p, 0 < n < kBlockLanes, widened to float exactly; +0 in the others.
+template <typename T>
+inline BlockLanes partial_block(const T* p, int n) {
+  BlockLanes lanes = {};
+  int j = 0;
+#if DC_CPU_VECTOR_BITS == 256 && (defined(__clang__) || __GNUC__ >= 12)  // __builtin_shufflevector
+  if (n >= 4) {  // 4 of them widened at once (a half type's, value by value, c10's)
+    FloatQuarterLanes quarter;
+    load_block(p, quarter);
+    lanes = __builtin_shufflevector(quarter, FloatQuarterLanes{}, 0, 1, 2, 3, 4, 5, 6, 7);
+    j = 4;
+  }
+#endif
+  for (; j < n; ++j) lanes[j] = static_cast<float>(p[j]);
+  return lanes;
+}
+
 // lane_dots in float where the library's vectors hold fewer than 16 floats (kBlockLanes): each sum's 16 lanes as
 // kSumLanes / kBlockLanes vectors of kBlockLanes (lanes 0-7 and 8-15 for AVX2), the same products added into the
 // same lanes, and totalled in LaneSums::total()'s order: the same bits. (A vector of 16 floats, GCC keeps in memory
@@ -566,24 +583,18 @@ inline void lane_dots_in_blocks(const A* a, const B* const* b, int64_t len, floa
   constexpr int kBlocks = kSumLanes / kBlockLanes;
   static_assert(kBlocks == 2 || kBlocks == 4, "blocks of 8 or 4 lanes");
   BlockLanes sums[count][kBlocks] = {};
-  // Lanes [0, n) of 16 from p in kBlocks vectors, +0 in the others.
+  // Lanes [0, n) of 16 from p in kBlocks vectors, +0 in the others. (A block that is partly there is built apart,
+  // by partial_block: with its element-by-element writes here, GCC kept every block of the loop in memory.)
   const auto load = [](const auto* p, int n, BlockLanes (&lanes)[kBlocks]) {
+#pragma GCC unroll 4
     for (int k = 0; k < kBlocks; ++k) {
       const int first = k * kBlockLanes;
       if (first + kBlockLanes <= n) {
         load_block(p + first, lanes[k]);
-      } else {
+      } else if (first >= n) {
         lanes[k] = BlockLanes{};
-        int j = 0;
-#if DC_CPU_VECTOR_BITS == 256 && (defined(__clang__) || __GNUC__ >= 12)  // __builtin_shufflevector
-        if (n - first >= 4) {  // 4 of them widened at once (a half type's, value by value, c10's)
-          FloatQuarterLanes quarter;
-          load_block(p + first, quarter);
-          lanes[k] = __builtin_shufflevector(quarter, FloatQuarterLanes{}, 0, 1, 2, 3, 4, 5, 6, 7);
-          j = 4;
-        }
-#endif
-        for (; first + j < n; ++j) lanes[k][j] = static_cast<float>(p[first + j]);
+      } else {
+        lanes[k] = partial_block(p + first, n - first);
       }
     }
   };
