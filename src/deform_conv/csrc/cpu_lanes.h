@@ -68,6 +68,10 @@ typedef float FloatLanes __attribute__((vector_size(kSumLanes * sizeof(float))))
 typedef float FloatHalfLanes __attribute__((vector_size(kSumLanes / 2 * sizeof(float))));
 typedef float FloatQuarterLanes __attribute__((vector_size(kSumLanes / 4 * sizeof(float))));
 
+// The number of floats in a vector of them (FloatLanes, FloatHalfLanes, FloatQuarterLanes).
+template <typename V>
+constexpr int kLanesOf = static_cast<int>(sizeof(V) / sizeof(float));
+
 typedef uint32_t BitLanes __attribute__((vector_size(kSumLanes * sizeof(uint32_t))));
 typedef uint16_t HalfBitLanes __attribute__((vector_size(kSumLanes * sizeof(uint16_t))));
 
@@ -318,6 +322,17 @@ DC_AVX512_ASM inline void round_bfloat16_pairs(const FloatLanes& even, const Flo
 
 inline void store_lanes(const FloatLanes& lanes, c10::Half* p) { round_lanes(lanes, p); }
 
+// LaneSums::total()'s last steps, once lanes j and j + 8 are added: of 8 lanes, j + j + 4, then j + j + 2, 0 + 1.
+inline float total_of(const FloatQuarterLanes& quarter) {
+  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+inline float total_of(const FloatHalfLanes& half) {
+  FloatQuarterLanes low, high;
+  std::memcpy(&low, &half, sizeof(low));
+  std::memcpy(&high, reinterpret_cast<const char*>(&half) + sizeof(low), sizeof(high));
+  return total_of(FloatQuarterLanes(low + high));
+}
+
 // The 16 partial sums in one vector (lane_dots adds to them).
 template <>
 struct LaneSums<float> {
@@ -327,12 +342,7 @@ struct LaneSums<float> {
     FloatHalfLanes low, high;
     std::memcpy(&low, &lanes, sizeof(low));
     std::memcpy(&high, reinterpret_cast<const char*>(&lanes) + sizeof(low), sizeof(high));
-    const FloatHalfLanes half = low + high;
-    FloatQuarterLanes low4, high4;
-    std::memcpy(&low4, &half, sizeof(low4));
-    std::memcpy(&high4, reinterpret_cast<const char*>(&half) + sizeof(low4), sizeof(high4));
-    const FloatQuarterLanes quarter = low4 + high4;
-    return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+    return total_of(FloatHalfLanes(low + high));
   }
 };
 
@@ -387,7 +397,7 @@ inline void load_block(const T* p, V& v) {
   } else if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
     widen_lanes(p, v);  // 8 or 4 lanes in registers: layers whose channels come in pieces of 8 or 12
   } else {
-    for (int j = 0; j < static_cast<int>(sizeof(V) / sizeof(float)); ++j) v[j] = static_cast<float>(p[j]);
+    for (int j = 0; j < kLanesOf<V>; ++j) v[j] = static_cast<float>(p[j]);
   }
 }
 
@@ -404,16 +414,12 @@ inline void store_block(const V& v, T* p) {
   } else if constexpr (std::is_same_v<T, c10::Half>) {
     round_lanes(v, p);
   } else {
-    for (int j = 0; j < static_cast<int>(sizeof(V) / sizeof(float)); ++j) p[j] = static_cast<T>(v[j]);
+    for (int j = 0; j < kLanesOf<V>; ++j) p[j] = static_cast<T>(v[j]);
   }
 }
 #endif
 
 #if defined(__GNUC__)
-// The number of floats in a vector of them (FloatLanes, FloatHalfLanes, FloatQuarterLanes).
-template <typename V>
-constexpr int kLanesOf = static_cast<int>(sizeof(V) / sizeof(float));
-
 // Lanes Lane::at(i), i < n, of a (numbered 0 to n - 1) and b (n to 2n - 1), vectors of n floats, as the shuffle
 // builtins number them.
 template <typename Lane, typename V, int... i>
@@ -609,19 +615,12 @@ inline void lane_dots_in_blocks(const A* a, const B* const* b, int64_t len, floa
       for (int k = 0; k < kBlocks; ++k) sums[c][k] += lanes_a[k] * lanes_b[k];
     }
   }
-  for (int c = 0; c < count; ++c) {
-    // total(): lane j + lane j + 8, then j + j + 4, j + j + 2, 0 + 1.
-    FloatQuarterLanes quarter;
+  for (int c = 0; c < count; ++c) {  // total(): lane j + lane j + 8 first (the blocks' halves), then total_of
     if constexpr (kBlocks == 2) {
-      const FloatHalfLanes half = sums[c][0] + sums[c][1];
-      FloatQuarterLanes low4, high4;
-      std::memcpy(&low4, &half, sizeof(low4));
-      std::memcpy(&high4, reinterpret_cast<const char*>(&half) + sizeof(low4), sizeof(high4));
-      quarter = low4 + high4;
-    } else {  // kBlocks == 4
-      quarter = (sums[c][0] + sums[c][2]) + (sums[c][1] + sums[c][3]);
+      dot[c] = total_of(FloatHalfLanes(sums[c][0] + sums[c][1]));
+    } else {  // kBlocks == 4: lanes 0-3, 4-7, 8-11, 12-15
+      dot[c] = total_of(FloatQuarterLanes((sums[c][0] + sums[c][2]) + (sums[c][1] + sums[c][3])));
     }
-    dot[c] = (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
   }
 }
 #endif
