@@ -162,13 +162,64 @@ def test_native_forward_is_the_same_on_any_thread_count(half):
     assert torch.equal(one, two)
 
 
+def output_and_grads_bits(case, tensors, grad_output):
+    """The output and every gradient of `case` on `tensors`, as int16 (bit patterns: -0 and NaNs compared too),
+    and the shapes the call widened through ATen (widened_shapes)."""
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    results = []
+
+    def run():
+        out = case.call(ours, leaves)
+        results.append(out)
+        results.extend(torch.autograd.grad(out, leaves, grad_output.to(out.dtype)))
+
+    widened = widened_shapes(run, tensors[0].dtype) if tensors[0].dtype != torch.float32 else None
+    return [r.to(tensors[0].dtype).view(torch.int16) for r in results], widened
+
+
 @HALF_TYPES
-def test_depthwise_layers_run_in_float32(half):
-    """Depthwise layers have no GEMM: the float32 path, bit for bit, on the native path too."""
-    case = make_case(torch.float32, in_channels=6, out_channels=6, groups=6, offset_groups=3)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_depthwise_layers_run_in_float32(half, layout):
+    """Depthwise layers have no GEMM: the float32 path, bit for bit, on the native path too, forward and backward.
+    Their input and grad_output are widened as they are turned channels-last, their output and the input's
+    gradient rounded as they are turned back: no widened copy of either through ATen."""
+    case = make_case(torch.float32, batch=3, in_channels=20, out_channels=20, groups=20, offset_groups=4,
+                     size=(13, 11))
     tensors = halves(case, half)
+    if layout == "channels_last":
+        tensors[0] = tensors[0].contiguous(memory_format=torch.channels_last)
+    grad_output = torch.randn(case.call(ours, tensors).shape, generator=torch.Generator().manual_seed(3))
+    grad_output = grad_output.to(half)
+    expected, _ = output_and_grads_bits(case, [t.float() for t in tensors], grad_output.float())
     with half_gemm_path("portable"):
-        assert torch.equal(case.call(ours, tensors), float32_rounded(case, tensors, half))
+        got, widened = output_and_grads_bits(case, tensors, grad_output)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert torch.equal(g, e), i
+    for name, t in (("input", tensors[0]), ("grad_output", grad_output)):
+        assert list(t.shape) not in widened, f"the depthwise path widened the {name}: {widened}"
+
+
+@HALF_TYPES
+@pytest.mark.parametrize("shape", ["awkward", "one_image", "panels_depth_blocks"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
+def test_float32_backward_reads_the_input_as_it_is(half, shape, layout):
+    """Without a half GEMM, the backward runs in float32 as a float32 layer's: bit for bit its output and
+    gradients rounded, the input widened as it is turned channels-last for the passes (no widened copy of it
+    through ATen), grad_output a chunk at a time for the GEMMs."""
+    case = make_case(torch.float32, **NATIVE_SHAPES[shape])
+    tensors = halves(case, half)
+    if layout == "channels_last":
+        tensors[0] = tensors[0].contiguous(memory_format=torch.channels_last)
+    elif layout == "strided":
+        tensors[0] = torch.stack((tensors[0], tensors[0]), dim=-1)[..., 1]
+    grad_output = torch.randn(case.call(ours, tensors).shape, generator=torch.Generator().manual_seed(3))
+    grad_output = grad_output.to(half)
+    with half_gemm_path("float32"):
+        expected, _ = output_and_grads_bits(case, [t.float() for t in tensors], grad_output.float())
+        got, widened = output_and_grads_bits(case, tensors, grad_output)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert torch.equal(g, e), i
+    assert list(tensors[0].shape) not in widened, f"the backward widened the input: {widened}"
 
 
 @HALF_TYPES

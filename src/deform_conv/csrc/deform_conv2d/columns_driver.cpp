@@ -64,7 +64,7 @@ const std::vector<int64_t> kOnes{1, 1}, kZeros{0, 0};
 
 // out [B, C, H, W] = channels_last [B, H, W, C] turned over (SamplingPasses::channels_first, else ATen's copy).
 void copy_channels_first(const SamplingPasses& passes, const at::Tensor& channels_last, at::Tensor& out) {
-  if (passes.channels_first == nullptr || !passes.channels_first(channels_last, out)) {
+  if (passes.channels_first == nullptr || !passes.channels_first(channels_last, out, nullptr)) {
     out.copy_(channels_last.permute({0, 3, 1, 2}));
   }
 }
@@ -195,13 +195,15 @@ bool rows_gemm_pays(const ConvParams& p, int64_t rows, at::ScalarType dtype) {
 }
 
 SamplingTensors::SamplingTensors(const SamplingPasses& passes, const at::Tensor& input_, const at::Tensor& offset_,
-                                 const std::optional<at::Tensor>& mask_)
+                                 const std::optional<at::Tensor>& mask_, std::optional<at::ScalarType> input_dtype)
     : input(input_),
       offset(offset_.contiguous()),
       mask(mask_.has_value() ? mask_->contiguous() : at::Tensor()) {
-  if (!input.is_contiguous(at::MemoryFormat::ChannelsLast)) {
-    input = channels_last_buffer(passes, ScratchSlot::channels_last_input, input_.sizes(), input_.options());
-    input.copy_(input_);
+  const at::ScalarType dtype = input_dtype.value_or(input_.scalar_type());
+  if (dtype != input_.scalar_type() || !input.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+    input = channels_last_buffer(passes, ScratchSlot::channels_last_input, input_.sizes(),
+                                 input_.options().dtype(dtype));
+    if (passes.channels_last == nullptr || !passes.channels_last(input_, input)) input.copy_(input_);
   }
 }
 
@@ -254,11 +256,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
   at::Tensor grad_mask = mask.has_value() ? at::empty(mask->sizes(), mask->options()) : at::Tensor();
   at::Tensor grad_weights =
       at::zeros({p.out_channels, p.taps() * p.in_channels_per_group(), 1, 1}, weight.options().dtype(acc_type));
+  // The columns' dtype, and whether their gradient goes to a buffer apart (SamplingPasses::backward_column_dtype).
+  const at::ScalarType column_dtype = passes.backward_column_dtype != at::ScalarType::Undefined
+                                          ? passes.backward_column_dtype
+                                          : input.scalar_type();
+  const bool columns_apart =
+      passes.backward_column_dtype != at::ScalarType::Undefined && c10::isReducedFloatingType(column_dtype);
+  const bool half_in_float32 = passes.backward_column_dtype == at::kFloat && input.scalar_type() != at::kFloat;
+  TORCH_CHECK(!half_in_float32 || c10::isReducedFloatingType(input.scalar_type()),
+              "deform_conv: float32 backward columns are for half-type inputs");
+  // A half-type grad_output for float32 GEMMs is widened a chunk at a time, or whole where the bias's gradient
+  // sums it (ATen's sum in float32 widens it whole anyway).
+  const at::Tensor wide_grad_output = half_in_float32 && bias_defined ? grad_output.to(acc_type) : at::Tensor();
   std::optional<at::Tensor> grad_bias;
-  if (bias_defined) grad_bias = grad_output.sum({0, 2, 3}, /*keepdim=*/false, acc_type).to(input.scalar_type());
-
+  if (bias_defined) {
+    grad_bias = (wide_grad_output.defined() ? wide_grad_output : grad_output)
+                    .sum({0, 2, 3}, /*keepdim=*/false, acc_type)
+                    .to(input.scalar_type());
+  }
   if (p.batch > 0 && p.out_channels > 0) {
-    const SamplingTensors tensors(passes, input, offset, mask);
+    const SamplingTensors tensors(passes, input, offset, mask, columns_apart ? input.scalar_type() : column_dtype);
     const at::Tensor weight_matrix = weight_as_1x1(passes, p, weight).view({p.out_channels, -1});
     // GPU GEMMs read grad_output channels-last: a copy of each chunk's part unless it is already (as the
     // gradient of a channels-last output is). The copy counts against the column budget, so the peak stays as it
@@ -269,8 +286,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
     const int64_t extra_per_image = copy_grad_rows ? p.out_pixels() * p.out_channels * input.element_size() : 0;
     // The columns, and where they are in a half type, their gradient apart in the accumulation type: the budget
     // bounds the larger buffer.
-    const bool columns_apart = passes.backward_column_dtype != at::ScalarType::Undefined;
-    const at::TensorOptions grad_column_options = input.options().dtype(columns_apart ? acc_type : input.scalar_type());
+    const at::TensorOptions grad_column_options = input.options().dtype(columns_apart ? acc_type : column_dtype);
     const int64_t element_size = grad_column_options.dtype().itemsize();
     int64_t chunk = images_per_chunk(p, element_size, passes.column_budget_bytes, extra_per_image);
     if (passes.stretched_budget_bytes > 0) {
@@ -284,9 +300,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
     }
     TORCH_CHECK(!columns_apart || (!chunk_gemms && passes.backward_gemms != nullptr),
                 "deform_conv: half-type backward columns need the backend's backward GEMMs");
+    TORCH_CHECK(!half_in_float32 || !chunk_gemms, "deform_conv: float32 backward columns need GEMMs per image");
     const int64_t buffer_images = std::min(chunk, p.batch);
-    const at::TensorOptions column_options =
-        columns_apart ? input.options().dtype(passes.backward_column_dtype) : input.options();
+    const at::TensorOptions column_options = input.options().dtype(column_dtype);
     at::Tensor columns = column_buffer(passes, p, buffer_images, column_options);
     at::Tensor grad_columns =
         columns_apart ? column_buffer(passes, p, buffer_images, grad_column_options, ScratchSlot::grad_columns)
@@ -296,12 +312,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
       at::Tensor chunk_columns = columns.narrow(0, 0, images);
       at::Tensor chunk_grad_columns = columns_apart ? grad_columns.narrow(0, 0, images) : chunk_columns;
       passes.fill_columns(p, tensors, first, images, chunk_columns);
+      const at::Tensor chunk_grad_output = wide_grad_output.defined() ? wide_grad_output
+                                           : half_in_float32 ? grad_output.narrow(0, first, images).to(acc_type)
+                                                             : grad_output;
+      const int64_t grad_first = half_in_float32 && !wide_grad_output.defined() ? 0 : first;
       if (chunk_gemms) {
         const at::Tensor grad_rows = grad_output_rows.narrow(0, first, images).contiguous()
                                          .view({images * p.out_pixels(), p.out_channels});
         chunk_gemms_backward(p, grad_rows, weight_matrix, chunk_columns, grad_weights);
       } else if (passes.backward_gemms == nullptr ||
-                 !passes.backward_gemms(p, grad_output, first, images, weight_matrix, chunk_columns,
+                 !passes.backward_gemms(p, chunk_grad_output, grad_first, images, weight_matrix, chunk_columns,
                                         chunk_grad_columns, grad_weights)) {
         // Half-type columns refused (the half GEMM's settings, DEFORM_CONV_CPU_HALF_GEMM or oneDNN's flag, changed
         // since the call began, on another thread): ATen's GEMMs on them, widened, and on grad_output and the
@@ -311,7 +331,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
           backward_gemms_with_aten(p, grad_output.narrow(0, first, images).to(acc_type), 0, images,
                                    weight_matrix.to(acc_type), chunk_grad_columns, grad_weights);
         } else {
-          backward_gemms_with_aten(p, grad_output, first, images, weight_matrix, chunk_grad_columns, grad_weights);
+          backward_gemms_with_aten(p, chunk_grad_output, grad_first, images, weight_matrix, chunk_grad_columns,
+                                   grad_weights);
         }
       }
       passes.coordinate_and_mask_grads(p, tensors, first, images, chunk_grad_columns, grad_offset, grad_mask);

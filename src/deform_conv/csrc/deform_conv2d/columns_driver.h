@@ -59,25 +59,30 @@ struct SamplingPasses {
   int64_t stretched_budget_bytes;
   // Undefined: the backward's columns are in the input's dtype, and their gradient overwrites them. A half type
   // (the input's): fill_columns writes the backward's columns in it (each rounded once, for backward_gemms), and
-  // their gradient goes to a float32 buffer, which the other two passes read, their own sums in float32.
+  // their gradient goes to a float32 buffer, which the other two passes read, their own sums in float32. float32,
+  // for a half-type input: the backward runs in float32 as a float32 layer's does, on the input widened as it is
+  // turned channels-last for the passes and grad_output widened a chunk at a time for the GEMMs.
   at::ScalarType backward_column_dtype = at::ScalarType::Undefined;
+  // out (channels-last in memory) = the input [B, C, H, W] (contiguous), turned over for the passes: returns false,
+  // doing nothing, to leave it to ATen's copy; nullptr: always ATen's.
+  bool (*channels_last)(const at::Tensor& channels_first, at::Tensor& out) = nullptr;
   // out [B, C, H, W] (contiguous) = channels_last [B, H, W, C] (contiguous) turned over, rounded once where out is
   // in a half type and channels_last in float32: the input's gradient, accumulated channels-last, and the forward's
   // convolution over the columns, whose output is channels-last. Returns false, doing nothing, to leave it to
   // ATen's copy; nullptr: always ATen's.
-  bool (*channels_first)(const at::Tensor& channels_last, at::Tensor& out) = nullptr;
+  bool (*channels_first)(const at::Tensor& channels_last, at::Tensor& out, const float* add_per_channel) = nullptr;
   // The weight [C_out, C_in/G, kh, kw] turned to the columns' order, [C_out, kh, kw, C_in/G] (contiguous), or an
   // undefined tensor to leave it to ATen's copy of the permuted weight; nullptr: always ATen's.
   at::Tensor (*weight_in_column_order)(const at::Tensor& weight) = nullptr;
 };
 
-// The tensors the passes read, in the layout they expect: input channels-last [B, H, W, C_in] in memory (a
-// copy unless it is already, in SamplingPasses::scratch memory where the backend has it), offset and mask
-// contiguous (mask undefined without a mask).
+// The tensors the passes read, in the layout they expect: input channels-last [B, H, W, C_in] in memory, in
+// `input_dtype` (its own unless given: a copy unless it is already, in SamplingPasses::scratch memory where the
+// backend has it), offset and mask contiguous (mask undefined without a mask).
 struct SamplingTensors {
   at::Tensor input, offset, mask;
   SamplingTensors(const SamplingPasses& passes, const at::Tensor& input, const at::Tensor& offset,
-                  const std::optional<at::Tensor>& mask);
+                  const std::optional<at::Tensor>& mask, std::optional<at::ScalarType> input_dtype = std::nullopt);
 };
 
 // Whether the CPU forward's GEMM over `rows` column rows (a chunk's images * H_out*W_out) runs faster as plain

@@ -16,6 +16,7 @@
 #include "depthwise.h"
 #include "half_conversion.h"
 #include "half_gemm.h"
+#include "layout.h"
 #include "sampling_passes.h"
 #include "scratch.h"
 #include "tiled_forward.h"
@@ -90,83 +91,41 @@ void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, in
   });
 }
 
-// out [B, C, H, W] = channels_last [B, H, W, C] turned over with blocked transposes, rounded once from float32 to
-// a half type, in tasks of 128 pixels of an image: ATen's copy of the permuted tensor took 1.0-1.1 ms of S1's
-// backward (the input's gradient) on the Xeon (2 threads), in float32 and bfloat16 alike, and 0.4 ms of S2's
-// bfloat16 forward (the convolution's channels-last output). float64 is left to ATen.
-bool channels_first(const at::Tensor& channels_last, at::Tensor& out) {
-  const at::ScalarType from = channels_last.scalar_type(), to = out.scalar_type();
-  const bool half_out = to == at::kBFloat16 || to == at::kHalf;
-  if (!channels_last.is_contiguous() || !out.is_contiguous() ||
-      !((from == at::kFloat && (to == at::kFloat || half_out)) || (half_out && from == to))) {
-    return false;
-  }
-  const int64_t images = out.size(0), channels = out.size(1), pixels = out.size(2) * out.size(3);
-  constexpr int64_t kPixels = 128;
-  const int64_t tiles = (pixels + kPixels - 1) / kPixels;
-  at::parallel_for(0, images * tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / tiles, first = task % tiles * kPixels, len = std::min(kPixels, pixels - first);
-      const int64_t src = (n * pixels + first) * channels, dst = n * channels * pixels + first;
-      const auto same = [&](const auto* in, auto* result) {
-        transpose(in + src, len, channels, channels, result + dst, pixels);
-      };
-      const auto narrowing = [&](auto* result) {
-        transpose_narrowing(channels_last.const_data_ptr<float>() + src, len, channels, channels, result + dst,
-                            pixels, nullptr);
-      };
-      const auto into_half = [&](auto half) {  // half_t's values moved, or float32's rounded to it
-        using half_t = decltype(half);
-        if (from == to) {
-          same(channels_last.const_data_ptr<half_t>(), out.mutable_data_ptr<half_t>());
-        } else {
-          narrowing(out.mutable_data_ptr<half_t>());
-        }
-      };
-      switch (to) {
-        case at::kBFloat16:
-          into_half(c10::BFloat16());
-          break;
-        case at::kHalf:
-          into_half(c10::Half());
-          break;
-        default:
-          same(channels_last.const_data_ptr<float>(), out.mutable_data_ptr<float>());
-      }
-    }
-  });
-  return true;
-}
-
 // 8 MiB of columns per chunk (at least one image): written by the sampling pass and read by the GEMM while
 // still in cache. The buffers live in per-thread scratch memory (scratch.h), kept from call to call: a backward
 // chunk stretched to an image per thread stays within what it keeps.
 constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(8) << 20, /*gemm_as_convolution=*/true,
                                  /*backward_gemms=*/backward_gemms, scratch, kMaxKeptScratchBytes,
-                                 /*backward_column_dtype=*/at::ScalarType::Undefined, channels_first,
+                                 /*backward_column_dtype=*/at::ScalarType::Undefined, channels_last, channels_first,
                                  weight_in_column_order};
+// A half-type layer's backward where the CPU does not multiply its type natively: in float32, as a float32
+// layer's, its input widened as it is turned for the passes, grad_output a chunk at a time for the GEMMs, the
+// input's gradient rounded as it is turned back (the offsets, the mask and the weight come widened).
+constexpr SamplingPasses kHalfInFloat32Passes{fill, coordinate_grads, input_grad, int64_t(8) << 20, true,
+                                              backward_gemms, scratch, kMaxKeptScratchBytes,
+                                              /*backward_column_dtype=*/at::kFloat, channels_last, channels_first,
+                                              weight_in_column_order};
 // A half-type layer's backward where the CPU multiplies its type natively: the input, grad_output and the weight
 // read in the half type, the offsets and the mask widened to float32; the columns filled in the half type for the
 // GEMMs on the half type's (brgemm.h), their gradient and every sum in float32.
 constexpr SamplingPasses kBFloat16Passes{fill, coordinate_grads, input_grad, int64_t(8) << 20, true,
                                          half_backward_gemms<c10::BFloat16>, scratch, kMaxKeptScratchBytes,
-                                         /*backward_column_dtype=*/at::kBFloat16, channels_first,
+                                         /*backward_column_dtype=*/at::kBFloat16, channels_last, channels_first,
                                          weight_in_column_order};
 constexpr SamplingPasses kFloat16Passes{fill, coordinate_grads, input_grad, int64_t(8) << 20, true,
                                         half_backward_gemms<c10::Half>, scratch, kMaxKeptScratchBytes,
-                                        /*backward_column_dtype=*/at::kHalf, channels_first,
+                                        /*backward_column_dtype=*/at::kHalf, channels_last, channels_first,
                                         weight_in_column_order};
 
-// Whether a half-type layer's GEMMs run on the half type's here (depthwise layers have none).
-bool native_half_layer(const ConvParams& p, const at::Tensor& input) {
-  return !p.is_depthwise() && half_gemm_for(input.scalar_type()).uses_native_path();
-}
+// Whether a half-type layer's GEMMs run on the half type's here.
+bool native_half_layer(const at::Tensor& input) { return half_gemm_for(input.scalar_type()).uses_native_path(); }
 
 // float16 and bfloat16 (e.g. under CPU autocast): where the CPU multiplies the half type natively, the GEMMs in
 // it (the columns sampled in float32 and rounded once to it; the input, grad_output and the weight read as they
 // are, the offsets and the mask widened); elsewhere everything in float32: the forward of a layer the tiled path
-// takes reads the half-type tensors as they are (tiled_forward.h), the rest runs on widened copies. Every sum in
-// float32, each result rounded once to the input's dtype.
+// takes reads the half-type tensors as they are (tiled_forward.h), the rest runs on widened copies. Depthwise
+// layers (no GEMM) run in float32 on every CPU, their input and grad_output widened as they are turned
+// (depthwise.h). Every sum in float32, each result rounded once to the input's dtype.
 bool is_half_type(const at::Tensor& t) {
   return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
 }
@@ -186,20 +145,18 @@ at::Tensor deform_conv2d_forward(const at::Tensor& input, const at::Tensor& offs
                                  c10::string_view border_gradient) {
   begin_cpu_call();
   const ConvParams p = make_conv_params(input, offset, weight, mask, bias, stride, padding, dilation, border_gradient);
+  if (p.is_depthwise()) return depthwise_forward(p, input, offset, weight, mask, bias);
   if (is_half_type(input)) {
-    if (native_half_layer(p, input)) {
+    if (native_half_layer(input)) {
       if (tiled_forward_applies(p, input)) return tiled_forward(p, input, offset, mask, weight, bias);
       return forward_with(kPasses, p, input, widened(offset), weight, widened(mask), bias, input.scalar_type());
     }
     // In float32: tiled, reading the half-type tensors as they are; else on widened copies.
-    if (!p.is_depthwise() && tiled_forward_applies(p, input)) {
-      return tiled_forward(p, input, offset, mask, weight, bias);
-    }
+    if (tiled_forward_applies(p, input)) return tiled_forward(p, input, offset, mask, weight, bias);
     return deform_conv2d_forward(widened(input), widened(offset), widened(weight), widened(mask), widened(bias), stride, padding,
                    dilation, border_gradient)
         .to(input.scalar_type());
   }
-  if (p.is_depthwise()) return depthwise_forward(p, input, offset, weight, mask, bias);
   if (tiled_forward_applies(p, input)) return tiled_forward(p, input, offset, mask, weight, bias);
   return forward_with(kPasses, p, input, offset, weight, mask, bias);
 }
@@ -212,19 +169,19 @@ deform_conv2d_backward(
   begin_cpu_call();
   const ConvParams p = make_conv_params(input, offset, weight, mask, std::nullopt, stride, padding, dilation, border_gradient);
   check_grad_output(p, grad_output, input);
+  if (p.is_depthwise()) return depthwise_backward(p, grad_output, input, offset, weight, mask, bias_defined);
   if (is_half_type(input)) {
     const at::ScalarType dtype = input.scalar_type();
-    if (native_half_layer(p, input) && half_backward_gemms_fit(p)) {
+    if (native_half_layer(input) && half_backward_gemms_fit(p)) {
       const SamplingPasses& passes = dtype == at::kBFloat16 ? kBFloat16Passes : kFloat16Passes;
       auto [gi, go, gw, gm, gb] =
           backward_with(passes, p, grad_output, input, widened(offset), weight, widened(mask), bias_defined);
       return {gi.to(dtype), go.to(dtype), gw.to(dtype), narrowed(gm, dtype), narrowed(gb, dtype)};
     }
-    auto [gi, go, gw, gm, gb] = deform_conv2d_backward(widened(grad_output), widened(input), widened(offset), widened(weight),
-                                         widened(mask), stride, padding, dilation, bias_defined, border_gradient);
-    return {gi.to(dtype), go.to(dtype), gw.to(dtype), narrowed(gm, dtype), narrowed(gb, dtype)};
+    auto [gi, go, gw, gm, gb] = backward_with(kHalfInFloat32Passes, p, grad_output, input, widened(offset),
+                                              widened(weight), widened(mask), bias_defined);
+    return {gi, go.to(dtype), gw.to(dtype), narrowed(gm, dtype), gb};
   }
-  if (p.is_depthwise()) return depthwise_backward(p, grad_output, input, offset, weight, mask, bias_defined);
   return backward_with(kPasses, p, grad_output, input, offset, weight, mask, bias_defined);
 }
 

@@ -2,11 +2,14 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "layout.h"
 #include "sampling_point.h"
 
 namespace deform_conv {
@@ -139,9 +142,34 @@ SamplingInputs<scalar_t> pointers(const at::Tensor& input_cl, const at::Tensor& 
           mask.defined() ? mask.const_data_ptr<scalar_t>() : nullptr};
 }
 
+// The type the passes compute in: float32 for the half types, whose tensors are widened as they are turned
+// (channels_last, layout.h) or, the small ones (offsets, mask, weight, bias), copied widened.
+at::ScalarType compute_type(const at::Tensor& input) { return at::toOpMathType(input.scalar_type()); }
+
+// `t` [B, C, H, W] in `dtype`, channels-last in memory.
+at::Tensor in_channels_last(const at::Tensor& t, at::ScalarType dtype) {
+  if (t.scalar_type() == dtype && t.is_contiguous(at::MemoryFormat::ChannelsLast)) return t;
+  at::Tensor turned = at::empty(t.sizes(), t.options().dtype(dtype), at::MemoryFormat::ChannelsLast);
+  copy_channels_last(t, turned);
+  return turned;
+}
+
+at::Tensor contiguous_in(const at::Tensor& t, at::ScalarType dtype) { return t.to(dtype).contiguous(); }
+
 // weight [C, 1, kh, kw] -> [taps, C]: a tap's weights for all channels are contiguous.
-at::Tensor weight_by_tap(const ConvParams& p, const at::Tensor& weight) {
-  return weight.reshape({p.in_channels, p.taps()}).t().contiguous();
+at::Tensor weight_by_tap(const ConvParams& p, const at::Tensor& weight, at::ScalarType dtype) {
+  return weight.reshape({p.in_channels, p.taps()}).t().to(dtype).contiguous();
+}
+
+// out [B, C, H, W] (contiguous, in its dtype) = rows [B, H, W, C] (contiguous) + bias[c] where given.
+void rows_to_channels_first(const at::Tensor& rows, const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  const at::Tensor add = bias.has_value() ? bias->to(rows.scalar_type()).contiguous() : at::Tensor();
+  if (rows.scalar_type() == at::kFloat &&
+      channels_first(rows, out, add.defined() ? add.const_data_ptr<float>() : nullptr)) {
+    return;
+  }
+  out.copy_(rows.permute({0, 3, 1, 2}));
+  if (add.defined()) out.add_(add.view({1, -1, 1, 1}));
 }
 
 }  // namespace
@@ -149,48 +177,51 @@ at::Tensor weight_by_tap(const ConvParams& p, const at::Tensor& weight) {
 at::Tensor depthwise_forward(const ConvParams& p, const at::Tensor& input, const at::Tensor& offset,
                              const at::Tensor& weight, const std::optional<at::Tensor>& mask,
                              const std::optional<at::Tensor>& bias) {
-  // [B, H_out, W_out, C] in memory (the rows of the pass), seen as [B, C_out, H_out, W_out] in channels-last.
-  at::Tensor output = input.new_empty({p.batch, p.out_h, p.out_w, p.out_channels}).permute({0, 3, 1, 2});
-  if (output.numel() > 0) {
-    const at::Tensor input_cl = input.contiguous(at::MemoryFormat::ChannelsLast);
-    const at::Tensor offset_c = offset.contiguous();
-    const at::Tensor mask_c = mask.has_value() ? mask->contiguous() : at::Tensor();
-    const at::Tensor weight_tc = weight_by_tap(p, weight);
-    AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "deform_conv2d_depthwise_cpu", [&] {
-      const SamplingInputs<scalar_t> in = pointers<scalar_t>(input_cl, offset_c, mask_c);
-      at::parallel_for(0, p.batch * p.out_pixels(), kRowsPerTask, [&](int64_t begin, int64_t end) {
-        forward_rows<scalar_t>(p, in, weight_tc.const_data_ptr<scalar_t>(), begin, end,
-                               output.mutable_data_ptr<scalar_t>());
-      });
+  at::Tensor output = input.new_empty({p.batch, p.out_channels, p.out_h, p.out_w});
+  if (output.numel() == 0) return output;
+  const at::ScalarType compute = compute_type(input);
+  // The pass's rows [B, H_out, W_out, C] (channels-last), turned into the output with the bias added.
+  at::Tensor rows = input.new_empty({p.batch, p.out_h, p.out_w, p.out_channels}, input.options().dtype(compute));
+  const at::Tensor input_cl = in_channels_last(input, compute);
+  const at::Tensor offset_c = contiguous_in(offset, compute);
+  const at::Tensor mask_c = mask.has_value() ? contiguous_in(*mask, compute) : at::Tensor();
+  const at::Tensor weight_tc = weight_by_tap(p, weight, compute);
+  AT_DISPATCH_FLOATING_TYPES(compute, "deform_conv2d_depthwise_cpu", [&] {
+    const SamplingInputs<scalar_t> in = pointers<scalar_t>(input_cl, offset_c, mask_c);
+    at::parallel_for(0, p.batch * p.out_pixels(), kRowsPerTask, [&](int64_t begin, int64_t end) {
+      forward_rows<scalar_t>(p, in, weight_tc.const_data_ptr<scalar_t>(), begin, end,
+                             rows.mutable_data_ptr<scalar_t>());
     });
-  }
-  if (bias.has_value()) output.add_(bias->view({1, p.out_channels, 1, 1}));
-  return output.contiguous();
+  });
+  rows_to_channels_first(rows, bias, output);
+  return output;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>>
 depthwise_backward(const ConvParams& p, const at::Tensor& grad_output, const at::Tensor& input,
                    const at::Tensor& offset, const at::Tensor& weight, const std::optional<at::Tensor>& mask,
                    bool bias_defined) {
-  at::Tensor grad_input = input.new_zeros({p.batch, p.height, p.width, p.in_channels});  // channels-last
-  at::Tensor grad_offset = offset.new_zeros(offset.sizes());
-  at::Tensor grad_mask = mask.has_value() ? mask->new_zeros(mask->sizes()) : at::Tensor();
-  at::Tensor grad_weight_tc = weight.new_zeros({p.taps(), p.in_channels});
-  std::optional<at::Tensor> grad_bias;
-  if (bias_defined) grad_bias = grad_output.sum({0, 2, 3});
+  const at::ScalarType compute = compute_type(input);
+  const at::TensorOptions options = input.options().dtype(compute);
+  at::Tensor grad_input_cl = input.new_zeros({p.batch, p.height, p.width, p.in_channels}, options);  // channels-last
+  at::Tensor grad_offset = offset.new_zeros(offset.sizes(), options);
+  at::Tensor grad_mask = mask.has_value() ? mask->new_zeros(mask->sizes(), options) : at::Tensor();
+  at::Tensor grad_weight_tc = weight.new_zeros({p.taps(), p.in_channels}, options);
 
+  const at::Tensor grad_out_cl = in_channels_last(grad_output, compute);  // [B, H_out, W_out, C] in memory
+  std::optional<at::Tensor> grad_bias;
+  if (bias_defined) grad_bias = grad_out_cl.sum({0, 2, 3}).to(input.scalar_type());
   const int64_t rows = p.batch * p.out_pixels();
   if (rows > 0) {
-    const at::Tensor input_cl = input.contiguous(at::MemoryFormat::ChannelsLast);
-    const at::Tensor offset_c = offset.contiguous();
-    const at::Tensor mask_c = mask.has_value() ? mask->contiguous() : at::Tensor();
-    const at::Tensor weight_tc = weight_by_tap(p, weight);
-    const at::Tensor grad_out_cl = grad_output.permute({0, 2, 3, 1}).contiguous();  // [B, H_out, W_out, C]
+    const at::Tensor input_cl = in_channels_last(input, compute);
+    const at::Tensor offset_c = contiguous_in(offset, compute);
+    const at::Tensor mask_c = mask.has_value() ? contiguous_in(*mask, compute) : at::Tensor();
+    const at::Tensor weight_tc = weight_by_tap(p, weight, compute);
     const int64_t blocks = std::min(kMaxWeightBlocks, rows);
     const int64_t rows_per_block = (rows + blocks - 1) / blocks;
     at::Tensor weight_partials =
-        weight.new_empty({(rows + rows_per_block - 1) / rows_per_block, p.taps(), p.in_channels});
-    AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "deform_conv2d_depthwise_backward_cpu", [&] {
+        weight.new_empty({(rows + rows_per_block - 1) / rows_per_block, p.taps(), p.in_channels}, options);
+    AT_DISPATCH_FLOATING_TYPES(compute, "deform_conv2d_depthwise_backward_cpu", [&] {
       const SamplingInputs<scalar_t> in = pointers<scalar_t>(input_cl, offset_c, mask_c);
       at::parallel_for(0, weight_partials.size(0), 1, [&](int64_t begin, int64_t end) {
         coordinate_and_weight_grads<scalar_t>(p, in, weight_tc.const_data_ptr<scalar_t>(),
@@ -204,11 +235,9 @@ depthwise_backward(const ConvParams& p, const at::Tensor& grad_output, const at:
           1, std::min<int64_t>((2 * at::get_num_threads() + p.batch - 1) / p.batch, p.in_channels / 16));
       at::parallel_for(0, p.batch * blocks, 1, [&](int64_t begin, int64_t end) {
         input_grad<scalar_t>(p, in, weight_tc.const_data_ptr<scalar_t>(), grad_out_cl.const_data_ptr<scalar_t>(),
-                             blocks, begin, end, grad_input.mutable_data_ptr<scalar_t>());
+                             blocks, begin, end, grad_input_cl.mutable_data_ptr<scalar_t>());
       });
-    });
-    // Block by block, in order: the same sum whatever the number of threads.
-    AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "deform_conv2d_depthwise_backward_cpu", [&] {
+      // Block by block, in order: the same sum whatever the number of threads.
       const scalar_t* partials = weight_partials.const_data_ptr<scalar_t>();
       scalar_t* sum = grad_weight_tc.mutable_data_ptr<scalar_t>();
       const int64_t size = p.taps() * p.in_channels;
@@ -217,11 +246,14 @@ depthwise_backward(const ConvParams& p, const at::Tensor& grad_output, const at:
       }
     });
   }
+  const at::ScalarType dtype = input.scalar_type();
+  at::Tensor grad_input = input.new_empty({p.batch, p.in_channels, p.height, p.width});
+  rows_to_channels_first(grad_input_cl, std::nullopt, grad_input);
   std::optional<at::Tensor> grad_mask_result;
-  if (grad_mask.defined()) grad_mask_result = grad_mask;
-  return {grad_input.permute({0, 3, 1, 2}).contiguous(), grad_offset,
-          grad_weight_tc.t().reshape({p.out_channels, 1, p.kernel_h, p.kernel_w}).contiguous(), grad_mask_result,
-          grad_bias};
+  if (grad_mask.defined()) grad_mask_result = grad_mask.to(dtype);
+  return {grad_input, grad_offset.to(dtype),
+          grad_weight_tc.t().reshape({p.out_channels, 1, p.kernel_h, p.kernel_w}).to(dtype).contiguous(),
+          grad_mask_result, grad_bias};
 }
 
 }  // namespace cpu

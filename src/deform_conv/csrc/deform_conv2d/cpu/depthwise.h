@@ -1,6 +1,8 @@
 // The depthwise layer (groups == in_channels == out_channels) on the CPU, without columns and without GEMMs:
 // each output channel is one input channel's samples weighted by kh*kw numbers, so the weighting is fused into
-// the sampling pass. Forward and backward on tensors, for the op's CPU kernels.
+// the sampling pass. Forward and backward on tensors, for the op's CPU kernels. The half types run in float32,
+// their input and grad_output widened as they are turned channels-last, their results rounded once (the output
+// and the input's gradient as they are turned back): the bits of the float32 path on widened copies.
 #pragma once
 
 #include <ATen/core/Tensor.h>

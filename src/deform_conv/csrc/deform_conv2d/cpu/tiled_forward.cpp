@@ -13,6 +13,7 @@
 #include "brgemm.h"
 #include "half_conversion.h"
 #include "half_gemm.h"
+#include "layout.h"
 #include "sampling_passes.h"
 #include "scratch.h"
 #include "transpose.h"
@@ -104,9 +105,11 @@ Tiling tiling(const ConvParams& p, at::ScalarType dtype, int64_t threads) {
 // The input in channels-last memory, in `dtype`: its own (the native half path's corners are widened as the
 // sampling loads them), or float32 for a half-type input on the float32 path: itself if it is already, else a copy
 // in this thread's scratch memory.
-at::Tensor channels_last(const at::Tensor& input, at::ScalarType dtype) {
+at::Tensor input_channels_last(const at::Tensor& input, at::ScalarType dtype) {
   if (input.scalar_type() == dtype && input.is_contiguous(at::MemoryFormat::ChannelsLast)) return input;
-  return scratch(ScratchSlot::channels_last_input, input.sizes(), input.options().dtype(dtype)).copy_(input);
+  at::Tensor turned = scratch(ScratchSlot::channels_last_input, input.sizes(), input.options().dtype(dtype));
+  copy_channels_last(input, turned);
+  return turned;
 }
 
 // Image n, channels-first [C_in, H*W] of image_t, into `turned`, channels-last [H*W, C_in] of scalar_t: the same
@@ -250,7 +253,7 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
   const bool turn_per_thread = input.is_contiguous() && p.batch >= at::get_num_threads() &&
                                image_size * int64_t(sizeof(scalar_t)) <= kMaxTurnedImageBytes;
   const int64_t turn_floats = turn_per_thread ? ceil_div(image_size * int64_t(sizeof(scalar_t)), sizeof(float)) : 0;
-  const at::Tensor input_c = turn_per_thread ? input : channels_last(input, kColumnType);
+  const at::Tensor input_c = turn_per_thread ? input : input_channels_last(input, kColumnType);
   // The sampling reads float32 offsets and masks (a few values per pixel, widened up front for the half types).
   const at::Tensor offset_c = offset.to(at::kFloat).contiguous();
   const at::Tensor mask_c = mask.has_value() ? mask->to(at::kFloat).contiguous() : at::Tensor();
