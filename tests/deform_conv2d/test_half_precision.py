@@ -358,9 +358,12 @@ def widened_shapes(run, half) -> list[list[int]]:
     with torch.profiler.profile(record_shapes=True) as prof:
         torch.ones(5, dtype=half).float()  # the float32 code, as this profiler records it
         run()
+        torch.ones(3, 7, dtype=half).float()  # a widening after the call, which the record must show
     copies = [e for e in prof.events() if e.name == "aten::_to_copy"]
     float_code = copies[0].concrete_inputs[1]
-    return [e.input_shapes[0] for e in copies[1:] if e.concrete_inputs[1] == float_code]
+    shapes = [e.input_shapes[0] for e in copies[1:] if e.concrete_inputs[1] == float_code]
+    assert shapes[-1] == [3, 7], "the profiler did not record the widenings"
+    return shapes[:-1]
 
 
 @HALF_TYPES
@@ -376,7 +379,6 @@ def test_native_backward_reads_the_half_tensors_as_they_are(half):
         out = ours(x, offset, weight, padding=1, mask=mask)
         grad_output = torch.randn(out.shape, generator=g).to(half)
         widened = widened_shapes(lambda: torch.autograd.grad(out, (x, offset, weight, mask), grad_output), half)
-    assert [2, 18, 7, 9] in widened  # the offsets: the profiler saw the widening it is asked about
     for name, t in (("input", x), ("grad_output", grad_output), ("weight", weight)):
         assert list(t.shape) not in widened, f"the backward widened the {name}: {widened}"
 
@@ -479,7 +481,8 @@ def test_float32_path_reads_the_half_tensors_as_they_are(half, shape, layout):
     """Without a half GEMM, a layer the float32 tiled path takes (its tiles fit, on the batch-reduce GEMM) runs there
     in float32, its image and weight widened as they are turned and its output rounded as it is turned back: the
     bits of the float32 path on widened copies, and no widened copy of the input (ATen converts only the offsets,
-    the mask and the bias). Other layers (taps * C_in + C_out > 4096 here) run on widened copies. On 2 threads the
+    the mask and the bias). Other layers (taps * C_in + C_out > 4096 here) run on widened copies (not ATen's where
+    they are contiguous: layout.h's float32_contiguous, as for the offsets and the mask). On 2 threads the
     input is turned per thread (an image per thread), up front (fewer images than threads: "one_image"), or is
     channels-last already."""
     kwargs = dict(LARGE_LAYER, batch=2) if shape == "large_layer" else NATIVE_SHAPES[shape]
@@ -501,9 +504,9 @@ def test_float32_path_reads_the_half_tensors_as_they_are(half, shape, layout):
         torch.set_num_threads(threads)
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))  # bit for bit, -0 included
     converted = [event.input_shapes[0] for event in profile.events() if event.name == "aten::_to_copy"]
-    tiled = shape != "large_layer" and torch.ops.deform_conv.brgemm_available()
-    assert (list(x.shape) not in converted) == tiled, converted
-    assert (list(weight.shape) not in converted) == tiled, converted
+    if shape != "large_layer" and torch.ops.deform_conv.brgemm_available():  # the tiled path
+        assert list(x.shape) not in converted, converted
+        assert list(weight.shape) not in converted, converted
 
 
 @HALF_TYPES

@@ -154,7 +154,9 @@ at::Tensor in_channels_last(const at::Tensor& t, at::ScalarType dtype) {
   return turned;
 }
 
-at::Tensor contiguous_in(const at::Tensor& t, at::ScalarType dtype) { return t.to(dtype).contiguous(); }
+at::Tensor contiguous_in(const at::Tensor& t, at::ScalarType dtype) {
+  return dtype == at::kFloat ? float32_contiguous(t) : t.to(dtype).contiguous();
+}
 
 // weight [C, 1, kh, kw] -> [taps, C]: a tap's weights for all channels are contiguous.
 at::Tensor weight_by_tap(const ConvParams& p, const at::Tensor& weight, at::ScalarType dtype) {

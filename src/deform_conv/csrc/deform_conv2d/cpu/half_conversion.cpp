@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -48,7 +49,20 @@ bool has_f16c() {
 }
 #endif
 
+// In blocks of the library's vector width (cpu_lanes.h's widening loads: exact).
+template <typename half_t>
+DC_CPU_DISPATCH void widen_blocks(const half_t* src, int64_t n, float* dst) {
+  for_float_blocks(n, [&](const auto& tag, int64_t i) {
+    std::decay_t<decltype(tag)> v;
+    load_block(src + i, v);
+    store_block(v, dst + i);
+  });
+}
+
 }  // namespace
+
+void widen(const c10::BFloat16* src, int64_t n, float* dst) { widen_blocks(src, n, dst); }
+void widen(const c10::Half* src, int64_t n, float* dst) { widen_blocks(src, n, dst); }
 
 void narrow(const float* src, int64_t n, c10::BFloat16* dst) { round_to_bfloat16(src, n, dst); }
 

@@ -11,6 +11,10 @@
 namespace deform_conv {
 namespace cpu {
 
+// dst[i] = src[i] widened to float32 (exactly), i < n.
+void widen(const c10::BFloat16* src, int64_t n, float* dst);
+void widen(const c10::Half* src, int64_t n, float* dst);
+
 // dst[i] = src[i] rounded to the half type, i < n.
 void narrow(const float* src, int64_t n, c10::BFloat16* dst);
 void narrow(const float* src, int64_t n, c10::Half* dst);

@@ -1,6 +1,7 @@
 #include "layout.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 
@@ -109,6 +110,20 @@ bool channels_first(const at::Tensor& channels_last, at::Tensor& out, const floa
     });
   });
   return true;
+}
+
+at::Tensor float32_contiguous(const at::Tensor& t) {
+  if (!is_half(t.scalar_type()) || !t.is_contiguous()) return t.to(at::kFloat).contiguous();
+  at::Tensor wide = at::empty(t.sizes(), t.options().dtype(at::kFloat));
+  with_half_type(t.scalar_type(), [&](auto half) {
+    using half_t = decltype(half);
+    const half_t* src = t.const_data_ptr<half_t>();
+    float* dst = wide.mutable_data_ptr<float>();
+    at::parallel_for(0, t.numel(), int64_t(1) << 14, [&](int64_t begin, int64_t end) {
+      widen(src + begin, end - begin, dst + begin);
+    });
+  });
+  return wide;
 }
 
 }  // namespace cpu

@@ -255,8 +255,8 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
   const int64_t turn_floats = turn_per_thread ? ceil_div(image_size * int64_t(sizeof(scalar_t)), sizeof(float)) : 0;
   const at::Tensor input_c = turn_per_thread ? input : input_channels_last(input, kColumnType);
   // The sampling reads float32 offsets and masks (a few values per pixel, widened up front for the half types).
-  const at::Tensor offset_c = offset.to(at::kFloat).contiguous();
-  const at::Tensor mask_c = mask.has_value() ? mask->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor offset_c = float32_contiguous(offset);
+  const at::Tensor mask_c = mask.has_value() ? float32_contiguous(*mask) : at::Tensor();
   const WeightPanels panels = weight_panels<scalar_t, image_t>(p, weight, gemm);
   const at::Tensor bias_c = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* offsets = offset_c.const_data_ptr<float>();
