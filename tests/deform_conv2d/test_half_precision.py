@@ -479,12 +479,12 @@ def test_the_default_path_is_what_the_op_says(half):
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
 def test_float32_path_reads_the_half_tensors_as_they_are(half, shape, layout):
     """Without a half GEMM, a layer the float32 tiled path takes (its tiles fit, on the batch-reduce GEMM) runs there
-    in float32, its image and weight widened as they are turned and its output rounded as it is turned back: the
-    bits of the float32 path on widened copies, and no widened copy of the input (ATen converts only the offsets,
-    the mask and the bias). Other layers (taps * C_in + C_out > 4096 here) run on widened copies (not ATen's where
-    they are contiguous: layout.h's float32_contiguous, as for the offsets and the mask). On 2 threads the
-    input is turned per thread (an image per thread), up front (fewer images than threads: "one_image"), or is
-    channels-last already."""
+    in float32, its image and weight widened as they are turned and its output rounded as it is turned back; other
+    layers (taps * C_in + C_out > 4096 here) run on the driver's float32 GEMMs, their input widened as it is turned
+    channels-last and their weight as it is turned to the columns' order. The bits of the float32 path on widened
+    copies, and no widened copy of the input or the weight through ATen. On 2 threads the input is turned per
+    thread (an image per thread), up front (fewer images than threads: "one_image"), or is channels-last
+    already."""
     kwargs = dict(LARGE_LAYER, batch=2) if shape == "large_layer" else NATIVE_SHAPES[shape]
     case = make_case(torch.float32, **kwargs)
     tensors = halves(case, half)
@@ -504,9 +504,8 @@ def test_float32_path_reads_the_half_tensors_as_they_are(half, shape, layout):
         torch.set_num_threads(threads)
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))  # bit for bit, -0 included
     converted = [event.input_shapes[0] for event in profile.events() if event.name == "aten::_to_copy"]
-    if shape != "large_layer" and torch.ops.deform_conv.brgemm_available():  # the tiled path
-        assert list(x.shape) not in converted, converted
-        assert list(weight.shape) not in converted, converted
+    assert list(x.shape) not in converted, converted
+    assert list(weight.shape) not in converted, converted
 
 
 @HALF_TYPES

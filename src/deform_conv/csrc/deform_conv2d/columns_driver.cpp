@@ -28,13 +28,14 @@ int64_t images_per_chunk(const ConvParams& p, int64_t element_size, int64_t budg
   return std::clamp<int64_t>(budget_bytes / per_image, 1, kMaxImagesPerChunk);
 }
 
-// weight [C_out, C_in/groups, kh, kw] -> [C_out, taps * C_in/groups, 1, 1], taps outer and channels inner as
-// in the columns: the weight of the 1x1 convolution over the columns (SamplingPasses::weight_in_column_order, else
-// ATen's copy).
-at::Tensor weight_as_1x1(const SamplingPasses& passes, const ConvParams& p, const at::Tensor& weight) {
+// weight [C_out, C_in/groups, kh, kw] -> [C_out, taps * C_in/groups, 1, 1] in `dtype`, taps outer and channels
+// inner as in the columns: the weight of the 1x1 convolution over the columns
+// (SamplingPasses::weight_in_column_order, else ATen's copy).
+at::Tensor weight_as_1x1(const SamplingPasses& passes, const ConvParams& p, const at::Tensor& weight,
+                         at::ScalarType dtype) {
   at::Tensor turned =
-      passes.weight_in_column_order != nullptr ? passes.weight_in_column_order(weight) : at::Tensor();
-  if (!turned.defined()) turned = weight.permute({0, 2, 3, 1}).contiguous();
+      passes.weight_in_column_order != nullptr ? passes.weight_in_column_order(weight, dtype) : at::Tensor();
+  if (!turned.defined()) turned = weight.permute({0, 2, 3, 1}).contiguous().to(dtype);
   return turned.view({p.out_channels, p.taps() * p.in_channels_per_group(), 1, 1});
 }
 
@@ -211,14 +212,18 @@ at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const
                         const at::Tensor& offset, const at::Tensor& weight, const std::optional<at::Tensor>& mask,
                         const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> gemm_dtype) {
   TORCH_CHECK(!gemm_dtype.has_value() || passes.gemm_as_convolution, "deform_conv: gemm_dtype needs a convolution");
+  const at::ScalarType gemm_type = gemm_dtype.value_or(input.scalar_type());
+  const bool half_in_float32 = gemm_type == at::kFloat && input.scalar_type() != at::kFloat;
+  TORCH_CHECK(gemm_type == input.scalar_type() || (half_in_float32 && c10::isReducedFloatingType(input.scalar_type())),
+              "deform_conv: gemm_dtype is the input's, or float32 for a half-type input");
   at::Tensor output = at::empty({p.batch, p.out_channels, p.out_h, p.out_w},  // [B, C_out, H_out, W_out]
-                                input.options().dtype(gemm_dtype.value_or(input.scalar_type())));
+                                input.options());
   if (output.numel() == 0) return output;
 
-  const SamplingTensors tensors(passes, input, offset, mask);
-  const at::Tensor weight_1x1 = weight_as_1x1(passes, p, weight);
-  // With gemm_dtype, the fill pass writes the columns in it (rounded once as they are sampled).
-  const at::TensorOptions column_options = input.options().dtype(gemm_dtype.value_or(input.scalar_type()));
+  const SamplingTensors tensors(passes, input, offset, mask, gemm_type);
+  const at::Tensor weight_1x1 = weight_as_1x1(passes, p, weight, gemm_type);
+  // The fill pass writes the columns in gemm_type (rounded once as they are sampled, for a half type).
+  const at::TensorOptions column_options = input.options().dtype(gemm_type);
   const int64_t chunk = images_per_chunk(p, column_options.dtype().itemsize(), passes.column_budget_bytes);
   at::Tensor columns = column_buffer(passes, p, std::min(chunk, p.batch), column_options);
   const bool rows_gemm = passes.gemm_as_convolution &&
@@ -276,7 +281,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
   }
   if (p.batch > 0 && p.out_channels > 0) {
     const SamplingTensors tensors(passes, input, offset, mask, columns_apart ? input.scalar_type() : column_dtype);
-    const at::Tensor weight_matrix = weight_as_1x1(passes, p, weight).view({p.out_channels, -1});
+    const at::Tensor weight_matrix = weight_as_1x1(passes, p, weight, half_in_float32 ? acc_type : weight.scalar_type())
+                                         .view({p.out_channels, -1});
     // GPU GEMMs read grad_output channels-last: a copy of each chunk's part unless it is already (as the
     // gradient of a channels-last output is). The copy counts against the column budget, so the peak stays as it
     // was without it.

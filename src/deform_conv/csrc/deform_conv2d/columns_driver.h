@@ -71,9 +71,10 @@ struct SamplingPasses {
   // convolution over the columns, whose output is channels-last. Returns false, doing nothing, to leave it to
   // ATen's copy; nullptr: always ATen's.
   bool (*channels_first)(const at::Tensor& channels_last, at::Tensor& out, const float* add_per_channel) = nullptr;
-  // The weight [C_out, C_in/G, kh, kw] turned to the columns' order, [C_out, kh, kw, C_in/G] (contiguous), or an
-  // undefined tensor to leave it to ATen's copy of the permuted weight; nullptr: always ATen's.
-  at::Tensor (*weight_in_column_order)(const at::Tensor& weight) = nullptr;
+  // The weight [C_out, C_in/G, kh, kw] turned to the columns' order, [C_out, kh, kw, C_in/G] (contiguous), in
+  // `dtype` (its own, or float32 from a half type), or an undefined tensor to leave it to ATen's copy of the
+  // permuted weight; nullptr: always ATen's.
+  at::Tensor (*weight_in_column_order)(const at::Tensor& weight, at::ScalarType dtype) = nullptr;
 };
 
 // The tensors the passes read, in the layout they expect: input channels-last [B, H, W, C_in] in memory, in
@@ -90,12 +91,13 @@ struct SamplingTensors {
 // tiled forward leaves such layers to the driver too).
 bool rows_gemm_pays(const ConvParams& p, int64_t rows, at::ScalarType dtype);
 
-// `p` comes from make_conv_params on the same tensors (which validates them). `gemm_dtype` (on the CPU, a half
-// type; the passes' GEMM a convolution): the columns, sampled in float32 (from an input in float32 or in that
-// type, widened as it is loaded), are rounded once to it as the fill pass writes them (the backend's fill_columns
-// writes the column buffer's dtype), and
-// the convolution over them (oneDNN's, on its half-precision kernels) multiplies them by the weight and adds the
-// bias, both already in it, into an output in it.
+// `p` comes from make_conv_params on the same tensors (which validates them). `gemm_dtype` (on the CPU; the
+// passes' GEMM a convolution): a half type, the input's: the columns, sampled in float32 (from an input in float32
+// or in that type, widened as it is loaded), are rounded once to it as the fill pass writes them (the backend's
+// fill_columns writes the column buffer's dtype), and the convolution over them (oneDNN's, on its half-precision
+// kernels) multiplies them by the weight and adds the bias, both already in it, into an output in it. float32 for
+// a half-type input: everything in float32 as for a float32 layer, the input widened as it is turned channels-last,
+// the weight as it is turned to the columns' order, the bias given in float32, the output rounded once.
 at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const at::Tensor& input,
                         const at::Tensor& offset, const at::Tensor& weight, const std::optional<at::Tensor>& mask,
                         const std::optional<at::Tensor>& bias,

@@ -100,7 +100,8 @@ constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(8) 
                                  weight_in_column_order};
 // A half-type layer's backward where the CPU does not multiply its type natively: in float32, as a float32
 // layer's, its input widened as it is turned for the passes, grad_output a chunk at a time for the GEMMs, the
-// input's gradient rounded as it is turned back (the offsets, the mask and the weight come widened).
+// input's gradient rounded as it is turned back, the weight widened as it is turned to the columns' order (the
+// offsets and the mask come widened).
 constexpr SamplingPasses kHalfInFloat32Passes{fill, coordinate_grads, input_grad, int64_t(8) << 20, true,
                                               backward_gemms, scratch, kMaxKeptScratchBytes,
                                               /*backward_column_dtype=*/at::kFloat, channels_last, channels_first,
@@ -122,8 +123,8 @@ bool native_half_layer(const at::Tensor& input) { return half_gemm_for(input.sca
 
 // float16 and bfloat16 (e.g. under CPU autocast): where the CPU multiplies the half type natively, the GEMMs in
 // it (the columns sampled in float32 and rounded once to it; the input, grad_output and the weight read as they
-// are, the offsets and the mask widened); elsewhere everything in float32: the forward of a layer the tiled path
-// takes reads the half-type tensors as they are (tiled_forward.h), the rest runs on widened copies. Depthwise
+// are, the offsets and the mask widened); elsewhere everything in float32, the input, grad_output and the weight
+// widened as they are turned (tiled_forward.h; forward_with's and backward_with's float32 GEMMs). Depthwise
 // layers (no GEMM) run in float32 on every CPU, their input and grad_output widened as they are turned
 // (depthwise.h). Every sum in float32, each result rounded once to the input's dtype.
 bool is_half_type(const at::Tensor& t) {
@@ -151,11 +152,9 @@ at::Tensor deform_conv2d_forward(const at::Tensor& input, const at::Tensor& offs
       if (tiled_forward_applies(p, input)) return tiled_forward(p, input, offset, mask, weight, bias);
       return forward_with(kPasses, p, input, widened(offset), weight, widened(mask), bias, input.scalar_type());
     }
-    // In float32: tiled, reading the half-type tensors as they are; else on widened copies.
+    // In float32: tiled, or on the driver, reading the input and the weight as they are.
     if (tiled_forward_applies(p, input)) return tiled_forward(p, input, offset, mask, weight, bias);
-    return deform_conv2d_forward(widened(input), widened(offset), widened(weight), widened(mask), widened(bias), stride, padding,
-                   dilation, border_gradient)
-        .to(input.scalar_type());
+    return forward_with(kPasses, p, input, widened(offset), weight, widened(mask), widened(bias), at::kFloat);
   }
   if (tiled_forward_applies(p, input)) return tiled_forward(p, input, offset, mask, weight, bias);
   return forward_with(kPasses, p, input, offset, weight, mask, bias);
@@ -178,8 +177,8 @@ deform_conv2d_backward(
           backward_with(passes, p, grad_output, input, widened(offset), weight, widened(mask), bias_defined);
       return {gi.to(dtype), go.to(dtype), gw.to(dtype), narrowed(gm, dtype), narrowed(gb, dtype)};
     }
-    auto [gi, go, gw, gm, gb] = backward_with(kHalfInFloat32Passes, p, grad_output, input, widened(offset),
-                                              widened(weight), widened(mask), bias_defined);
+    auto [gi, go, gw, gm, gb] = backward_with(kHalfInFloat32Passes, p, grad_output, input, widened(offset), weight,
+                                              widened(mask), bias_defined);
     return {gi, go.to(dtype), gw.to(dtype), narrowed(gm, dtype), gb};
   }
   return backward_with(kPasses, p, grad_output, input, offset, weight, mask, bias_defined);

@@ -143,7 +143,7 @@ int64_t panel_slot(const ConvParams& p) {
 template <typename scalar_t, typename weight_t>
 at::Tensor unpacked_panels(const ConvParams& p, const at::Tensor& weight) {
   const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
-  const at::Tensor turned = weight_in_column_order(weight.contiguous());  // [C_out, taps * C_in/G] in memory
+  const at::Tensor turned = weight_in_column_order(weight.contiguous(), weight.scalar_type());  // [C_out, taps * C_in/G] in memory
   const weight_t* rows = turned.const_data_ptr<weight_t>();
   at::Tensor panels = weight.new_empty({p.out_channels * per_group}, weight.options().dtype(
                                                                           c10::CppTypeToScalarType<scalar_t>::value));

@@ -86,21 +86,23 @@ DC_CPU_DISPATCH void transpose_in_blocks(const S* src, int64_t rows, int64_t col
 // library compiled for AVX-512, 16 channels a gather: the compiler left the loop scalar, at the speed of ATen's
 // copy of the permuted tensor. 16-bit values are gathered as the 32-bit words they begin, and a word that would
 // reach past `end` (the source's last value) is read value by value instead.
-template <typename T>
-DC_CPU_DISPATCH void taps_outer_rows(const T* src, int64_t rows, int64_t channels, int64_t taps, T* dst,
-                                     const T* end) {
+template <typename S, typename T>
+DC_CPU_DISPATCH void taps_outer_rows(const S* src, int64_t rows, int64_t channels, int64_t taps, T* dst,
+                                     const S* end) {
   for (int64_t r = 0; r < rows; ++r) {
-    const T* __restrict__ from = src + r * channels * taps;
+    const S* __restrict__ from = src + r * channels * taps;
     T* __restrict__ to = dst + r * channels * taps;
     for (int64_t t = 0; t < taps; ++t) {
       int64_t c = 0;
 #if DC_CPU_VECTOR_BITS == 512
-      if (channels * taps < (int64_t(1) << 30)) {
+      if (std::is_same_v<S, T> && channels * taps < (int64_t(1) << 30)) {
         const __m512i lanes = _mm512_mullo_epi32(
             _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(int(taps)));
         for (; c + 16 <= channels; c += 16) {
           const __m512i index = _mm512_add_epi32(lanes, _mm512_set1_epi32(int(c * taps + t)));
-          if constexpr (std::is_same_v<T, float>) {
+          if constexpr (!std::is_same_v<S, T>) {
+            break;  // (not taken: widening is left to the loop below)
+          } else if constexpr (std::is_same_v<T, float>) {
             _mm512_storeu_ps(to + t * channels + c, _mm512_i32gather_ps(index, from, 4));
           } else {
             if (from + (c + 15) * taps + t + 1 >= end) break;
@@ -110,7 +112,7 @@ DC_CPU_DISPATCH void taps_outer_rows(const T* src, int64_t rows, int64_t channel
         }
       }
 #endif
-      for (; c < channels; ++c) to[t * channels + c] = from[c * taps + t];
+      for (; c < channels; ++c) to[t * channels + c] = static_cast<T>(from[c * taps + t]);
     }
   }
 }
@@ -131,22 +133,38 @@ void taps_outer(const half_t* src, int64_t rows, int64_t channels, int64_t taps,
 template void taps_outer<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, int64_t, c10::BFloat16*);
 template void taps_outer<c10::Half>(const c10::Half*, int64_t, int64_t, int64_t, c10::Half*);
 
-at::Tensor weight_in_column_order(const at::Tensor& weight) {
-  const at::ScalarType dtype = weight.scalar_type();
-  if (!weight.is_contiguous() || (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf)) {
+template <typename half_t>
+void taps_outer(const half_t* src, int64_t rows, int64_t channels, int64_t taps, float* dst) {
+  taps_outer_rows(src, rows, channels, taps, dst, src + rows * channels * taps);
+}
+
+template void taps_outer<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, int64_t, float*);
+template void taps_outer<c10::Half>(const c10::Half*, int64_t, int64_t, int64_t, float*);
+
+at::Tensor weight_in_column_order(const at::Tensor& weight, at::ScalarType dtype) {
+  const at::ScalarType from = weight.scalar_type();
+  const bool half = from == at::kBFloat16 || from == at::kHalf;
+  if (!weight.is_contiguous() || !((half || from == at::kFloat) && (dtype == from || (half && dtype == at::kFloat)))) {
     return at::Tensor();
   }
   const int64_t rows = weight.size(0), channels = weight.size(1), taps = weight.size(2) * weight.size(3);
-  at::Tensor turned = at::empty({rows, weight.size(2), weight.size(3), channels}, weight.options());
+  at::Tensor turned = at::empty({rows, weight.size(2), weight.size(3), channels}, weight.options().dtype(dtype));
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     const int64_t at = begin * channels * taps;
-    switch (dtype) {
+    const auto turn = [&](auto half_type) {  // a half type's bits moved, or widened to float32
+      using half_t = decltype(half_type);
+      const half_t* src = weight.const_data_ptr<half_t>() + at;
+      if (dtype == at::kFloat) {
+        taps_outer(src, end - begin, channels, taps, turned.mutable_data_ptr<float>() + at);
+      } else {
+        taps_outer(src, end - begin, channels, taps, turned.mutable_data_ptr<half_t>() + at);
+      }
+    };
+    switch (from) {
       case at::kBFloat16:
-        return taps_outer(weight.const_data_ptr<c10::BFloat16>() + at, end - begin, channels, taps,
-                          turned.mutable_data_ptr<c10::BFloat16>() + at);
+        return turn(c10::BFloat16());
       case at::kHalf:
-        return taps_outer(weight.const_data_ptr<c10::Half>() + at, end - begin, channels, taps,
-                          turned.mutable_data_ptr<c10::Half>() + at);
+        return turn(c10::Half());
       default:
         return taps_outer(weight.const_data_ptr<float>() + at, end - begin, channels, taps,
                           turned.mutable_data_ptr<float>() + at);

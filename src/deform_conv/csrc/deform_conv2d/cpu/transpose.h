@@ -32,12 +32,16 @@ void transpose(const uint32_t* src, int64_t rows, int64_t cols, int64_t ld_src, 
 void taps_outer(const float* src, int64_t rows, int64_t channels, int64_t taps, float* dst);
 template <typename half_t>
 void taps_outer(const half_t* src, int64_t rows, int64_t channels, int64_t taps, half_t* dst);
+// The same from a half type into float32, each value widened exactly.
+template <typename half_t>
+void taps_outer(const half_t* src, int64_t rows, int64_t channels, int64_t taps, float* dst);
 
 // The weight [C_out, C_in/G, kh, kw] turned to the columns' order, [C_out, kh, kw, C_in/G] (taps_outer, row by row
 // from the L1 cache, where ATen's copy of the permuted weight took 0.45 ms of S3's bfloat16 forward on the Xeon:
-// 2.67-2.69 ms then, 2.32-2.41 so); an undefined tensor for float64 and weights in other layouts, left to ATen
-// (SamplingPasses::weight_in_column_order).
-at::Tensor weight_in_column_order(const at::Tensor& weight);
+// 2.67-2.69 ms then, 2.32-2.41 so), in `dtype`: the weight's own, or float32 from a half type, widened as it is
+// turned (the half types' float32 path: 2.4 million values for S3). An undefined tensor for float64 and weights
+// in other layouts, left to ATen (SamplingPasses::weight_in_column_order).
+at::Tensor weight_in_column_order(const at::Tensor& weight, at::ScalarType dtype);
 
 }  // namespace cpu
 }  // namespace deform_conv
