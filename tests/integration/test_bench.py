@@ -146,10 +146,24 @@ def test_onednn_isa_names_an_instruction_set():
 
 def test_interleaved_medians_call_each_at_least_three_times_in_turns():
     order = []
-    medians = timing.interleaved_medians({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
-                                         min_seconds=0.0)
-    assert set(medians) == {"a", "b"} and all(m >= 0 for m in medians.values())
-    assert order == ["a", "b"] * 4  # a warm-up each, then three rounds of one call each
+    calls = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    medians = timing.interleaved_medians(calls, min_seconds=0.0)
+    assert set(medians) == set("abc") and all(m >= 0 for m in medians.values())
+    assert order[:3] == list("abc")  # a warm-up each
+    rounds = [order[i:i + 3] for i in range(3, len(order), 3)]
+    assert len(order) == 12 and all(sorted(r) == list("abc") for r in rounds)  # three rounds of one call each
+
+
+def test_interleaved_medians_shuffle_the_order_of_each_round():
+    """No call always runs right after the same one (whose leftovers in the caches it would inherit)."""
+    order = []
+    calls = {name: (lambda name=name: order.append(name)) for name in "abcd"}
+    timing.interleaved_medians(calls, min_seconds=1.0)  # 50 rounds: each call takes no time
+    rounds = [tuple(order[i:i + 4]) for i in range(4, len(order), 4)]
+    assert len(rounds) == 50 and all(sorted(r) == list("abcd") for r in rounds)
+    assert len(set(rounds)) > 10
+    followers_of_d = {r[r.index("d") + 1] for r in rounds if r[-1] != "d"}
+    assert followers_of_d == set("abc")
 
 
 def test_gpu_memcheck_case_runs_on_the_cpu():
