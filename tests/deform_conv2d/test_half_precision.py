@@ -162,9 +162,10 @@ def test_native_forward_is_the_same_on_any_thread_count(half):
     assert torch.equal(one, two)
 
 
-def output_and_grads_bits(case, tensors, grad_output):
-    """The output and every gradient of `case` on `tensors`, as int16 (bit patterns: -0 and NaNs compared too),
-    and the shapes the call widened through ATen (widened_shapes)."""
+def output_and_grads_bits(case, tensors, grad_output, half):
+    """The output and every gradient of `case` on `tensors`, rounded to `half` and seen as int16 (bit patterns: -0
+    and NaNs compared too), and the shapes the call widened through ATen (widened_shapes; None for float32
+    tensors)."""
     leaves = [t.detach().clone().requires_grad_() for t in tensors]
     results = []
 
@@ -173,8 +174,13 @@ def output_and_grads_bits(case, tensors, grad_output):
         results.append(out)
         results.extend(torch.autograd.grad(out, leaves, grad_output.to(out.dtype)))
 
-    widened = widened_shapes(run, tensors[0].dtype) if tensors[0].dtype != torch.float32 else None
-    return [r.to(tensors[0].dtype).view(torch.int16) for r in results], widened
+    if tensors[0].dtype == torch.float32:
+        run()
+        widened = None
+    else:
+        widened = widened_shapes(run, tensors[0].dtype)
+    assert len(results) == 1 + len(tensors)
+    return [r.to(half).view(torch.int16) for r in results], widened
 
 
 @HALF_TYPES
@@ -190,10 +196,10 @@ def test_depthwise_layers_run_in_float32(half, layout):
         tensors[0] = tensors[0].contiguous(memory_format=torch.channels_last)
     grad_output = torch.randn(case.call(ours, tensors).shape, generator=torch.Generator().manual_seed(3))
     grad_output = grad_output.to(half)
-    expected, _ = output_and_grads_bits(case, [t.float() for t in tensors], grad_output.float())
+    expected, _ = output_and_grads_bits(case, [t.float() for t in tensors], grad_output.float(), half)
     with half_gemm_path("portable"):
-        got, widened = output_and_grads_bits(case, tensors, grad_output)
-    for i, (g, e) in enumerate(zip(got, expected)):
+        got, widened = output_and_grads_bits(case, tensors, grad_output, half)
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert torch.equal(g, e), i
     for name, t in (("input", tensors[0]), ("grad_output", grad_output)):
         assert list(t.shape) not in widened, f"the depthwise path widened the {name}: {widened}"
@@ -215,9 +221,9 @@ def test_float32_backward_reads_the_input_as_it_is(half, shape, layout):
     grad_output = torch.randn(case.call(ours, tensors).shape, generator=torch.Generator().manual_seed(3))
     grad_output = grad_output.to(half)
     with half_gemm_path("float32"):
-        expected, _ = output_and_grads_bits(case, [t.float() for t in tensors], grad_output.float())
-        got, widened = output_and_grads_bits(case, tensors, grad_output)
-    for i, (g, e) in enumerate(zip(got, expected)):
+        expected, _ = output_and_grads_bits(case, [t.float() for t in tensors], grad_output.float(), half)
+        got, widened = output_and_grads_bits(case, tensors, grad_output, half)
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert torch.equal(g, e), i
     assert list(tensors[0].shape) not in widened, f"the backward widened the input: {widened}"
 
