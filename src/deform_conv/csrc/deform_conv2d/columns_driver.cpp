@@ -213,8 +213,8 @@ at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const
                         const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> gemm_dtype) {
   TORCH_CHECK(!gemm_dtype.has_value() || passes.gemm_as_convolution, "deform_conv: gemm_dtype needs a convolution");
   const at::ScalarType gemm_type = gemm_dtype.value_or(input.scalar_type());
-  const bool half_in_float32 = gemm_type == at::kFloat && input.scalar_type() != at::kFloat;
-  TORCH_CHECK(gemm_type == input.scalar_type() || (half_in_float32 && c10::isReducedFloatingType(input.scalar_type())),
+  TORCH_CHECK(gemm_type == input.scalar_type() ||
+                  (gemm_type == at::kFloat && c10::isReducedFloatingType(input.scalar_type())),
               "deform_conv: gemm_dtype is the input's, or float32 for a half-type input");
   at::Tensor output = at::empty({p.batch, p.out_channels, p.out_h, p.out_w},  // [B, C_out, H_out, W_out]
                                 input.options());

@@ -130,9 +130,9 @@ bool native_half_layer(const at::Tensor& input) { return half_gemm_for(input.sca
 bool is_half_type(const at::Tensor& t) {
   return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
 }
-at::Tensor widened(const at::Tensor& t) { return t.is_contiguous() ? float32_contiguous(t) : t.to(at::kFloat); }
+at::Tensor widened(const at::Tensor& t) { return float32_contiguous(t); }
 std::optional<at::Tensor> widened(const std::optional<at::Tensor>& t) {
-  return t.has_value() ? std::optional<at::Tensor>(widened(*t)) : std::nullopt;
+  return t.has_value() ? std::optional<at::Tensor>(float32_contiguous(*t)) : std::nullopt;
 }
 std::optional<at::Tensor> narrowed(const std::optional<at::Tensor>& t, at::ScalarType dtype) {
   return t.has_value() ? std::optional<at::Tensor>(t->to(dtype)) : std::nullopt;

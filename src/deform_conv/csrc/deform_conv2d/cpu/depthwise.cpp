@@ -4,7 +4,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <vector>
@@ -145,14 +144,6 @@ SamplingInputs<scalar_t> pointers(const at::Tensor& input_cl, const at::Tensor& 
 // The type the passes compute in: float32 for the half types, whose tensors are widened as they are turned
 // (channels_last, layout.h) or, the small ones (offsets, mask, weight, bias), copied widened.
 at::ScalarType compute_type(const at::Tensor& input) { return at::toOpMathType(input.scalar_type()); }
-
-// `t` [B, C, H, W] in `dtype`, channels-last in memory.
-at::Tensor in_channels_last(const at::Tensor& t, at::ScalarType dtype) {
-  if (t.scalar_type() == dtype && t.is_contiguous(at::MemoryFormat::ChannelsLast)) return t;
-  at::Tensor turned = at::empty(t.sizes(), t.options().dtype(dtype), at::MemoryFormat::ChannelsLast);
-  copy_channels_last(t, turned);
-  return turned;
-}
 
 at::Tensor contiguous_in(const at::Tensor& t, at::ScalarType dtype) {
   return dtype == at::kFloat ? float32_contiguous(t) : t.to(dtype).contiguous();

@@ -70,8 +70,13 @@ bool channels_last(const at::Tensor& channels_first, at::Tensor& out) {
   return true;
 }
 
-void copy_channels_last(const at::Tensor& t, at::Tensor& out) {
-  if (!channels_last(t, out)) out.copy_(t);
+at::Tensor in_channels_last(const at::Tensor& t, at::ScalarType dtype, ChannelsLastAllocator allocate) {
+  if (t.scalar_type() == dtype && t.is_contiguous(at::MemoryFormat::ChannelsLast)) return t;
+  const at::TensorOptions options = t.options().dtype(dtype);
+  at::Tensor turned = allocate != nullptr ? allocate(t.sizes(), options)
+                                          : at::empty(t.sizes(), options, at::MemoryFormat::ChannelsLast);
+  if (!channels_last(t, turned)) turned.copy_(t);
+  return turned;
 }
 
 bool channels_first(const at::Tensor& channels_last, at::Tensor& out, const float* add_per_channel) {

@@ -16,8 +16,11 @@ namespace cpu {
 // nothing, for other dtypes (float64) or layouts, to leave the copy to ATen.
 bool channels_last(const at::Tensor& channels_first, at::Tensor& out);
 
-// out (channels-last in memory) = t, of any layout and dtype: channels_last() where it applies, else ATen's copy.
-void copy_channels_last(const at::Tensor& t, at::Tensor& out);
+// t [B, C, H, W] in `dtype`, channels-last in memory: t itself where it is so already, else turned
+// (channels_last(), or ATen's copy where it does not apply) into allocate(t's sizes, t's options in `dtype`), a channels-last tensor (a fresh one where
+// `allocate` is nullptr).
+using ChannelsLastAllocator = at::Tensor (*)(at::IntArrayRef sizes, const at::TensorOptions& options);
+at::Tensor in_channels_last(const at::Tensor& t, at::ScalarType dtype, ChannelsLastAllocator allocate = nullptr);
 
 // out [B, C, H, W] (contiguous) = channels_last [B, H, W, C] (contiguous) turned over: float32 or a half type
 // moved as it is, or float32 rounded once to a half type; `add_per_channel` (float32, C values, or nullptr) added

@@ -103,13 +103,12 @@ Tiling tiling(const ConvParams& p, at::ScalarType dtype, int64_t threads) {
 }
 
 // The input in channels-last memory, in `dtype`: its own (the native half path's corners are widened as the
-// sampling loads them), or float32 for a half-type input on the float32 path: itself if it is already, else a copy
+// sampling loads them), or float32 for a half-type input on the float32 path: itself if it is already, else turned
 // in this thread's scratch memory.
 at::Tensor input_channels_last(const at::Tensor& input, at::ScalarType dtype) {
-  if (input.scalar_type() == dtype && input.is_contiguous(at::MemoryFormat::ChannelsLast)) return input;
-  at::Tensor turned = scratch(ScratchSlot::channels_last_input, input.sizes(), input.options().dtype(dtype));
-  copy_channels_last(input, turned);
-  return turned;
+  return in_channels_last(input, dtype, [](at::IntArrayRef sizes, const at::TensorOptions& options) {
+    return scratch(ScratchSlot::channels_last_input, sizes, options);
+  });
 }
 
 // Image n, channels-first [C_in, H*W] of image_t, into `turned`, channels-last [H*W, C_in] of scalar_t: the same
@@ -143,7 +142,8 @@ int64_t panel_slot(const ConvParams& p) {
 template <typename scalar_t, typename weight_t>
 at::Tensor unpacked_panels(const ConvParams& p, const at::Tensor& weight) {
   const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
-  const at::Tensor turned = weight_in_column_order(weight.contiguous(), weight.scalar_type());  // [C_out, taps * C_in/G] in memory
+  // [C_out, taps * C_in/G] in memory
+  const at::Tensor turned = weight_in_column_order(weight.contiguous(), weight.scalar_type());
   const weight_t* rows = turned.const_data_ptr<weight_t>();
   at::Tensor panels = weight.new_empty({p.out_channels * per_group}, weight.options().dtype(
                                                                           c10::CppTypeToScalarType<scalar_t>::value));

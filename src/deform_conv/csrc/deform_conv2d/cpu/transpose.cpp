@@ -95,19 +95,19 @@ DC_CPU_DISPATCH void taps_outer_rows(const S* src, int64_t rows, int64_t channel
     for (int64_t t = 0; t < taps; ++t) {
       int64_t c = 0;
 #if DC_CPU_VECTOR_BITS == 512
-      if (std::is_same_v<S, T> && channels * taps < (int64_t(1) << 30)) {
-        const __m512i lanes = _mm512_mullo_epi32(
-            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(int(taps)));
-        for (; c + 16 <= channels; c += 16) {
-          const __m512i index = _mm512_add_epi32(lanes, _mm512_set1_epi32(int(c * taps + t)));
-          if constexpr (!std::is_same_v<S, T>) {
-            break;  // (not taken: widening is left to the loop below)
-          } else if constexpr (std::is_same_v<T, float>) {
-            _mm512_storeu_ps(to + t * channels + c, _mm512_i32gather_ps(index, from, 4));
-          } else {
-            if (from + (c + 15) * taps + t + 1 >= end) break;
-            const __m512i words = _mm512_i32gather_epi32(index, from, 2);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + t * channels + c), _mm512_cvtepi32_epi16(words));
+      if constexpr (std::is_same_v<S, T>) {  // moving bits (widening is left to the loop below)
+        if (channels * taps < (int64_t(1) << 30)) {
+          const __m512i lanes = _mm512_mullo_epi32(
+              _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(int(taps)));
+          for (; c + 16 <= channels; c += 16) {
+            const __m512i index = _mm512_add_epi32(lanes, _mm512_set1_epi32(int(c * taps + t)));
+            if constexpr (std::is_same_v<T, float>) {
+              _mm512_storeu_ps(to + t * channels + c, _mm512_i32gather_ps(index, from, 4));
+            } else {
+              if (from + (c + 15) * taps + t + 1 >= end) break;
+              const __m512i words = _mm512_i32gather_epi32(index, from, 2);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + t * channels + c), _mm512_cvtepi32_epi16(words));
+            }
           }
         }
       }
@@ -144,9 +144,8 @@ template void taps_outer<c10::Half>(const c10::Half*, int64_t, int64_t, int64_t,
 at::Tensor weight_in_column_order(const at::Tensor& weight, at::ScalarType dtype) {
   const at::ScalarType from = weight.scalar_type();
   const bool half = from == at::kBFloat16 || from == at::kHalf;
-  if (!weight.is_contiguous() || !((half || from == at::kFloat) && (dtype == from || (half && dtype == at::kFloat)))) {
-    return at::Tensor();
-  }
+  const bool turns = dtype == from ? half || from == at::kFloat : half && dtype == at::kFloat;
+  if (!weight.is_contiguous() || !turns) return at::Tensor();
   const int64_t rows = weight.size(0), channels = weight.size(1), taps = weight.size(2) * weight.size(3);
   at::Tensor turned = at::empty({rows, weight.size(2), weight.size(3), channels}, weight.options().dtype(dtype));
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
