@@ -63,94 +63,13 @@ constexpr int64_t kFixedWidthsUpTo =
     : std::is_same_v<image_t, float> && std::is_same_v<column_t, float> ? 64
                                                                          : 16;
 
-// `channels` zeros, kept per thread: the corners of a point that lie outside the image read them with weight 0,
-// so that every point interpolates four corners in one pass, and a non-finite pixel outside the sum stays out.
+// What each pass needs to walk its sampling points block by block: TapPoints and the offset groups' channel pieces.
 template <typename scalar_t>
-const scalar_t* zero_row(int64_t channels) {
-  thread_local std::vector<scalar_t> zeros;
-  if (static_cast<int64_t>(zeros.size()) < channels) zeros.assign(channels, scalar_t(0));
-  return zeros.data();
-}
-
-// PointBlock's coordinates are 32-bit integers.
-void check_coordinates_fit(const ConvParams& p) {
-  TORCH_CHECK(std::max({p.height, p.width, p.base_y(p.out_h, p.kernel_h), p.base_x(p.out_w, p.kernel_w)}) <
-                  (int64_t(1) << 30),
-              "deform_conv2d: the CPU kernels take images of fewer than 2^30 rows and columns, got ", p.height, "x",
-              p.width);
-}
-
-// Where tap (0, 0) of output pixels first .. first + len - 1 samples before its offset.
-inline void block_origins(const ConvParams& p, int64_t first, int64_t len, int32_t* y_origin, int32_t* x_origin) {
-  for (int64_t b = 0; b < len; ++b) {
-    y_origin[b] = static_cast<int32_t>(p.base_y((first + b) / p.out_w, 0));
-    x_origin[b] = static_cast<int32_t>(p.base_x((first + b) % p.out_w, 0));
-  }
-}
-
-// How many blocks of output pixels ahead tap_points_of_group prefetches offsets and masks (one block ahead gained a
-// quarter of what two did; four and eight, no more than two).
-constexpr int64_t kPrefetchBlocks = 2;
-
-// A hint to bring the cache line of values[ahead] in (it may lie past the array's end: the address is only
-// computed, in integers, and a prefetch does not fault).
-template <typename T>
-inline void prefetch(const T* values, int64_t ahead) {
-#if defined(__GNUC__)
-  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(values) + ahead * sizeof(T)));
-#endif
-}
-
-// The points of offset group `group`, tap by tap, for output pixels first .. first + len - 1 of image n, their
-// corners in `source`. The passes then visit them pixel by pixel, taps inner, so that they read and write the
-// columns (and the image) nearly in order, as one point at a time did.
-template <typename scalar_t>
-inline void tap_points_of_group(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t n, int64_t group,
-                                int64_t first, int64_t len, const int32_t* y_origin, const int32_t* x_origin,
-                                const CornerSource& source, PointBlock<scalar_t>* tap_points) {
-  int32_t y_base[kPointBlock], x_base[kPointBlock];
-  for (int64_t i = 0, tap = 0; i < p.kernel_h; ++i) {
-    for (int64_t j = 0; j < p.kernel_w; ++j, ++tap) {
-      for (int64_t b = 0; b < len; ++b) {
-        y_base[b] = y_origin[b] + static_cast<int32_t>(i * p.dilation_h);
-        x_base[b] = x_origin[b] + static_cast<int32_t>(j * p.dilation_w);
-      }
-      const scalar_t* dy = in.offset + p.offset_index(n, group, tap, first);
-      tap_points[tap].compute(len, y_base, x_base, dy, dy + p.out_pixels(), p.height, p.width, source);
-      // Their offsets (and mask) kPrefetchBlocks blocks on: each channel is a stream of its own, too many for the
-      // hardware's prefetchers (a layer of 16 channels in two offset groups, stride 2, 4 images of 113x97: forward
-      // 12% faster so on an AVX2 EPYC).
-      constexpr int64_t ahead = kPrefetchBlocks * kPointBlock;
-      prefetch(dy, ahead);
-      prefetch(dy + p.out_pixels(), ahead);
-      if (in.mask != nullptr) prefetch(in.mask + p.mask_index(n, group, tap, first), ahead);
-    }
-  }
-}
-
-// What each pass needs to walk its sampling points block by block: the offset groups' channel pieces, one
-// PointBlock per tap (kept per thread: the tiled forward fills the columns once per tile) and the block's origins.
-template <typename scalar_t>
-struct BlockWalk {
-  const ConvParams& p;
-  const SamplingInputs<scalar_t> in;  // its offsets and mask (a copy: three pointers)
+struct BlockWalk : TapPoints<scalar_t> {
   const OffsetGroupPieces groups;
-  PointBlock<scalar_t>* taps;
-  int32_t y_origin[kPointBlock], x_origin[kPointBlock];
 
-  BlockWalk(const ConvParams& p_, const SamplingInputs<scalar_t>& in_) : p(p_), in(in_), groups(p_) {
-    check_coordinates_fit(p);
-    thread_local std::vector<PointBlock<scalar_t>> kept;
-    if (static_cast<int64_t>(kept.size()) < p.taps()) kept.resize(p.taps());
-    taps = kept.data();
-  }
+  BlockWalk(const ConvParams& p_, const SamplingInputs<scalar_t>& in_) : TapPoints<scalar_t>(p_, in_), groups(p_) {}
 
-  // The next block: output pixels first .. first + len - 1.
-  void start_block(int64_t first, int64_t len) { block_origins(p, first, len, y_origin, x_origin); }
-  // taps[tap] for offset group `group` of image n in the block, their corners in `source`.
-  void compute_group(int64_t n, int64_t group, int64_t first, int64_t len, const CornerSource& source) {
-    tap_points_of_group(p, in, n, group, first, len, y_origin, x_origin, source, taps);
-  }
   const ChannelPiece* pieces_begin(int64_t group) const { return groups.pieces.data() + groups.starts[group]; }
   const ChannelPiece* pieces_end(int64_t group) const { return groups.pieces.data() + groups.starts[group + 1]; }
 };
