@@ -71,6 +71,22 @@ def test_depthwise_path(dtype, with_mask, offset_groups):
     assert_all_close(results, output_and_grads(torchvision.ops.deform_conv2d, case), dtype)
 
 
+@pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no_mask"])
+@pytest.mark.parametrize("per_offset_group", [16, 24, 48, 72])
+def test_depthwise_channel_widths(dtype, per_offset_group, with_mask):
+    """The depthwise forward sums blocks of 4 vectors of channels in registers, then single vectors, then the last
+    channels one by one (24 = 16 + 8, 48 and 72 a block of 32 or 64 and the rest, whatever the vector width); its
+    backward takes the channels of an offset group in one pass where they come in runs of 16 (16, 48), three
+    passes otherwise (24, 72). Two offset groups, the awkward geometry's kernel, stride and dilation, offsets
+    across the border."""
+    channels = 2 * per_offset_group
+    case = make_case(dtype, batch=2, in_channels=channels, out_channels=channels, groups=channels, offset_groups=2,
+                     size=(9, 7), with_mask=with_mask)
+    results = output_and_grads(ours, case)
+    assert_all_close(results, output_and_grads(reference, case), dtype)
+    assert_all_close(results, output_and_grads(torchvision.ops.deform_conv2d, case), dtype)
+
+
 def test_depthwise_with_channels_last_and_strided_inputs():
     case = make_case(torch.float64, batch=3, in_channels=6, out_channels=6, groups=6, offset_groups=2)
     strided = [case.input.contiguous(memory_format=torch.channels_last), case.offset.transpose(2, 3).contiguous()

@@ -562,6 +562,22 @@ inline void add_scaled(acc_t w, const acc_t* __restrict__ src, int64_t len, acc_
   for (int64_t d = 0; d < len; ++d) dst[d] += w * src[d];
 }
 
+#if defined(__GNUC__)
+// The total of 16 lane sums held as 16 / (the lanes of V) vectors V (BlockLanes: lanes 0-7 and 8-15 for AVX2), in
+// LaneSums::total()'s order: lane j + lane j + 8 first (the blocks' halves), then total_of.
+template <typename V>
+inline float total_of_blocks(const V* sums) {
+  constexpr int kBlocks = kSumLanes / kLanesOf<V>;
+  if constexpr (kBlocks == 1) {
+    return LaneSums<float>{sums[0]}.total();
+  } else if constexpr (kBlocks == 2) {
+    return total_of(FloatHalfLanes(sums[0] + sums[1]));
+  } else {  // lanes 0-3, 4-7, 8-11, 12-15
+    return total_of(FloatQuarterLanes((sums[0] + sums[2]) + (sums[1] + sums[3])));
+  }
+}
+#endif
+
 #if defined(__GNUC__) && (DC_CPU_VECTOR_BITS == 256 || DC_CPU_VECTOR_BITS == 128)
 // Lanes [0, n) of a block of kBlockLanes from p, 0 < n < kBlockLanes, widened to float exactly; +0 in the others.
 template <typename T>
@@ -615,13 +631,7 @@ inline void lane_dots_in_blocks(const A* a, const B* const* b, int64_t len, floa
       for (int k = 0; k < kBlocks; ++k) sums[c][k] += lanes_a[k] * lanes_b[k];
     }
   }
-  for (int c = 0; c < count; ++c) {  // total(): lane j + lane j + 8 first (the blocks' halves), then total_of
-    if constexpr (kBlocks == 2) {
-      dot[c] = total_of(FloatHalfLanes(sums[c][0] + sums[c][1]));
-    } else {  // kBlocks == 4: lanes 0-3, 4-7, 8-11, 12-15
-      dot[c] = total_of(FloatQuarterLanes((sums[c][0] + sums[c][2]) + (sums[c][1] + sums[c][3])));
-    }
-  }
+  for (int c = 0; c < count; ++c) dot[c] = total_of_blocks(sums[c]);
 }
 #endif
 

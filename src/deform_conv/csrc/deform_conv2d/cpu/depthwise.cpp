@@ -119,6 +119,51 @@ void forward_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in, 
 }
 DC_CPU_KERNEL(forward_rows)
 
+// For point b of a tap (its corners k), its offset group's channels [0, len) from `channel`, in one pass over them:
+// partial[c] += g[c] * (value_c * m), the weight's gradient (the column's value m * value_c, times grad_out g), and
+// dot[q] = the sum over c of (w[c] * g[c]) * pixel_q[channel + c], in cpu_lanes.h's lane order, for the
+// coordinates' and the mask's gradients. The same operations, so the same bits, as interpolate_corners, the loop
+// over the channels and corner_dots one after the other, which take the layers whose offset groups' channels do not
+// come in runs of 16 (false returned, nothing done). One pass reads the corners once: three, S4's backward spent a
+// XX of its time in them.
+template <typename scalar_t>
+inline bool point_grads_in_one_pass(const Corners<scalar_t>& k, int64_t channel, int64_t len,
+                                    const scalar_t* __restrict__ g, const scalar_t* __restrict__ w, scalar_t m,
+                                    scalar_t* __restrict__ partial, scalar_t dot[4]) {
+#if defined(__GNUC__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (len % kSumLanes != 0) return false;
+    constexpr int kBlocks = kSumLanes / kBlockLanes;
+    BlockLanes sums[4][kBlocks] = {};
+    for (int64_t d0 = 0; d0 < len; d0 += kSumLanes) {
+#pragma GCC unroll 4
+      for (int j = 0; j < kBlocks; ++j) {
+        const int64_t c = d0 + j * kBlockLanes;
+        BlockLanes v0, v1, v2, v3, g_j, w_j, partial_j;  // (an array of corners, GCC kept in memory)
+        std::memcpy(&v0, k.pixel[0] + channel + c, sizeof(BlockLanes));
+        std::memcpy(&v1, k.pixel[1] + channel + c, sizeof(BlockLanes));
+        std::memcpy(&v2, k.pixel[2] + channel + c, sizeof(BlockLanes));
+        std::memcpy(&v3, k.pixel[3] + channel + c, sizeof(BlockLanes));
+        std::memcpy(&g_j, g + c, sizeof(BlockLanes));
+        std::memcpy(&w_j, w + c, sizeof(BlockLanes));
+        std::memcpy(&partial_j, partial + c, sizeof(BlockLanes));
+        const BlockLanes value = corner_value(k, v0, v1, v2, v3, false, 1.0f);
+        partial_j = partial_j + g_j * (value * m);
+        std::memcpy(partial + c, &partial_j, sizeof(BlockLanes));
+        const BlockLanes grad_column = w_j * g_j;
+        sums[0][j] += grad_column * v0;
+        sums[1][j] += grad_column * v1;
+        sums[2][j] += grad_column * v2;
+        sums[3][j] += grad_column * v3;
+      }
+    }
+    for (int q = 0; q < 4; ++q) dot[q] = total_of_blocks(sums[q]);
+    return true;
+  }
+#endif
+  return false;
+}
+
 // grad_offset, grad_mask and the blocks' partial weight gradients [blocks, taps, C] from grad_out [B*P, C].
 template <typename scalar_t>
 void coordinate_and_weight_grads_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
@@ -152,22 +197,24 @@ void coordinate_and_weight_grads_body(const ConvParams& p, const SamplingInputs<
             const scalar_t m = masked ? in.mask[mask_at] : scalar_t(1);
             const scalar_t* __restrict__ w = weight_tc + tap * channels + c0;
             // The column's value is m * sampled; its gradient is weight * grad_out.
-            interpolate_corners(corners, c0, per_group, false, scalar_t(1), sampled.data());
             scalar_t* __restrict__ partial_tap = partial + tap * channels + c0;
-            scalar_t* __restrict__ gc = grad_column.data();
-            const scalar_t* __restrict__ v = sampled.data();
+            scalar_t dot[4] = {};
+            if (!point_grads_in_one_pass(corners, c0, per_group, g_out, w, m, partial_tap, dot)) {
+              interpolate_corners(corners, c0, per_group, false, scalar_t(1), sampled.data());
+              scalar_t* __restrict__ gc = grad_column.data();
+              const scalar_t* __restrict__ v = sampled.data();
 #pragma omp simd
-            for (int64_t c = 0; c < per_group; ++c) {
-              gc[c] = w[c] * g_out[c];
-              partial_tap[c] += g_out[c] * (v[c] * m);
+              for (int64_t c = 0; c < per_group; ++c) {
+                gc[c] = w[c] * g_out[c];
+                partial_tap[c] += g_out[c] * (v[c] * m);
+              }
+              if (points.inside[b]) corner_dots(corners, c0, per_group, static_cast<const scalar_t*>(gc), dot);
             }
             // d loss / d value, d y and d x, before the mask's factor; the corners outside the image add nothing.
             scalar_t grad_value = sum_start<scalar_t>(points.nan[b]), grad_y = grad_value, grad_x = grad_value;
             if (points.inside[b]) {
               const scalar_t ly = points.ly[b], lx = points.lx[b], hy = scalar_t(1) - ly, hx = scalar_t(1) - lx;
               const scalar_t weight_dy[4] = {-hx, -lx, hx, lx}, weight_dx[4] = {-hy, hy, -ly, ly};
-              scalar_t dot[4];
-              corner_dots(corners, c0, per_group, static_cast<const scalar_t*>(gc), dot);
               for (int q = 0; q < 4; ++q) {
                 if (!points.valid[q][b]) continue;
                 grad_value += corners.weight[q] * dot[q];
