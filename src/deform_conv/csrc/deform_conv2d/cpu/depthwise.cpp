@@ -235,34 +235,6 @@ void coordinate_and_weight_grads_body(const ConvParams& p, const SamplingInputs<
 }
 DC_CPU_KERNEL(coordinate_and_weight_grads)
 
-// dst[q][c] += k[q] * (w[c] * g[c]) for the four corners q of a point, c < len: the product taken once for the four,
-// in registers (the same bits as add_scaled of it, corner by corner, which takes the points with a corner outside
-// the image).
-template <typename scalar_t>
-inline void add_to_four_corners(scalar_t* const dst[4], const scalar_t k[4], const scalar_t* __restrict__ w,
-                                const scalar_t* __restrict__ g, int64_t len) {
-  const auto add = [&](const auto& tag, int64_t c) {
-    using V = std::decay_t<decltype(tag)>;
-    V w_c, g_c;
-    std::memcpy(&w_c, w + c, sizeof(V));
-    std::memcpy(&g_c, g + c, sizeof(V));
-    const V product = w_c * g_c;
-    for (int q = 0; q < 4; ++q) {
-      V sum;
-      std::memcpy(&sum, dst[q] + c, sizeof(V));
-      sum = sum + k[q] * product;
-      std::memcpy(dst[q] + c, &sum, sizeof(V));
-    }
-  };
-#if defined(__GNUC__)
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    for_float_blocks(len, add);
-    return;
-  }
-#endif
-  for (int64_t c = 0; c < len; ++c) add(scalar_t{}, c);
-}
-
 // Adds d loss / d input into grad_input (channels-last): each task owns one image and one block of channels.
 template <typename scalar_t>
 void input_grad_body(const ConvParams& p, const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
@@ -296,7 +268,13 @@ void input_grad_body(const ConvParams& p, const SamplingInputs<scalar_t>& in, co
                                         reinterpret_cast<scalar_t*>(points.address[3][b]) + c_begin};
               const scalar_t k[4] = {m * points.weight[0][b], m * points.weight[1][b], m * points.weight[2][b],
                                      m * points.weight[3][b]};
-              add_to_four_corners(dst, k, w + c_begin, g_out + c_begin, c_end - c_begin);
+              add_to_four_corners(dst, k, c_end - c_begin, [&](const auto& tag, int64_t c) {
+                using V = std::decay_t<decltype(tag)>;
+                V w_c, g_c;
+                std::memcpy(&w_c, w + c_begin + c, sizeof(V));
+                std::memcpy(&g_c, g_out + c_begin + c, sizeof(V));
+                return V(w_c * g_c);  // weight * grad_out, taken once for the four corners
+              });
               continue;
             }
             scalar_t* __restrict__ gc = grad_column.data();

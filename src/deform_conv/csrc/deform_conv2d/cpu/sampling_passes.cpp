@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -246,6 +247,20 @@ void input_grad_tasks_body(const ConvParams& p, const SamplingInputs<scalar_t>& 
                 const int64_t count = length_of(*piece, c0);
                 if (count <= 0) continue;
                 const scalar_t* __restrict__ grad = grad_row + piece->column + (c0 - piece->channel);
+                if (points.valid[0][b] && points.valid[1][b] && points.valid[2][b] && points.valid[3][b]) {
+                  scalar_t* const dst[4] = {reinterpret_cast<scalar_t*>(points.address[0][b]) + c0,
+                                            reinterpret_cast<scalar_t*>(points.address[1][b]) + c0,
+                                            reinterpret_cast<scalar_t*>(points.address[2][b]) + c0,
+                                            reinterpret_cast<scalar_t*>(points.address[3][b]) + c0};
+                  const scalar_t k[4] = {m * points.weight[0][b], m * points.weight[1][b], m * points.weight[2][b],
+                                         m * points.weight[3][b]};
+                  add_to_four_corners(dst, k, count, [&](const auto& tag, int64_t c) {
+                    std::decay_t<decltype(tag)> value;
+                    std::memcpy(&value, grad + c, sizeof(value));
+                    return value;
+                  });
+                  continue;
+                }
                 for (int q = 0; q < 4; ++q) {
                   if (!points.valid[q][b]) continue;
                   scalar_t* __restrict__ dst = reinterpret_cast<scalar_t*>(points.address[q][b]) + c0;
