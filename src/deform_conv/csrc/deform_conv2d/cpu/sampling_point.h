@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -119,32 +118,6 @@ inline void corner_dots(const Corners<scalar_t, image_t>& k, int64_t channel, in
   const image_t* pixels[4] = {k.pixel[0] + channel, k.pixel[1] + channel, k.pixel[2] + channel,
                                k.pixel[3] + channel};
   lane_dots<4>(grad, pixels, len, dot);
-}
-
-// dst[q][c] += k[q] * source(tag, c) for the four corners q of a point (four different pixels), c < len, where
-// source gives the values of channels [c, c + the lanes of tag's type), a vector of floats or one value: one loop
-// for the four corners, the source taken once for them. The same bits as add_scaled corner by corner, which takes
-// the points with a corner outside the image. (The four read-modify-write streams in one loop: the input
-// gradient's passes, bound by them, ran 8-10% faster so on S4, depthwise, on a 2-core Zen 3 EPYC.)
-template <typename scalar_t, typename Source>
-inline void add_to_four_corners(scalar_t* const dst[4], const scalar_t k[4], int64_t len, const Source& source) {
-  const auto add = [&](const auto& tag, int64_t c) {
-    using V = std::decay_t<decltype(tag)>;
-    const V value = source(tag, c);
-    for (int q = 0; q < 4; ++q) {
-      V sum;
-      std::memcpy(&sum, dst[q] + c, sizeof(V));
-      sum = sum + k[q] * value;
-      std::memcpy(dst[q] + c, &sum, sizeof(V));
-    }
-  };
-#if defined(__GNUC__)
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    for_float_blocks(len, add);
-    return;
-  }
-#endif
-  for (int64_t c = 0; c < len; ++c) add(scalar_t{}, c);
 }
 
 // Output pixels whose sampling points are worked out together, one (offset group, tap) at a time.
