@@ -3,7 +3,7 @@ set the library was compiled for (see tests/family/test_family_lane_order.py). A
 identity passes grad_output to the columns' gradient unchanged; with zero offsets every point sits on its pixel
 (bilinear weights (1, 0, 0, 0)), so the mask's gradient at an interior pixel is the one dot product
 grad_output[:, pixel] . input[:, pixel], as the kernel sums it. Depthwise layers sum their own products
-(grad_output * weight) against the samples: with a weight of ones, the same dot product."""
+(grad_output * weight) against each corner's values: with a weight of ones, the same dot product."""
 
 from __future__ import annotations
 

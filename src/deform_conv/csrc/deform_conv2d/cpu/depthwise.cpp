@@ -12,8 +12,8 @@
 
 #include "half_conversion.h"
 #include "layout.h"
-#include "transpose.h"
 #include "sampling_point.h"
+#include "transpose.h"
 
 namespace deform_conv {
 namespace cpu {
@@ -89,8 +89,8 @@ void rows_into_channels_first(const scalar_t* rows, int64_t len, int64_t channel
 }
 
 // out[n, c, pixel] = sum over taps of weight[tap, c] * mask * bilinear(input[n, ..., c]) (+ bias[c]) for rows
-// (n, pixel) in [begin, end). Each block of rows is summed channels-last, in the L1 cache, and turned over into
-// the output from there: turned in a pass of their own, the rows went to memory and back (S4's forward, 8 images
+// (n, pixel) in [begin, end). Each block of rows is summed channels-last in a buffer of 16 rows, which stays in the
+// cache, and turned over into the output from there: turned in a pass of their own, the rows went to memory and back (S4's forward, 8 images
 // of 128 channels, 28x28, ran 5-6% slower so on a 2-core Zen 3 EPYC).
 template <typename scalar_t, typename out_t>
 void forward_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
@@ -124,7 +124,7 @@ DC_CPU_KERNEL(forward_rows)
 // dot[q] = the sum over c of (w[c] * g[c]) * pixel_q[channel + c], in cpu_lanes.h's lane order, for the
 // coordinates' and the mask's gradients. The same operations, so the same bits, as interpolate_corners, the loop
 // over the channels and corner_dots one after the other, which take the layers whose offset groups' channels do not
-// come in runs of 16 (false returned, nothing done). One pass reads the corners and grad_out once (S4's forward and
+// come in runs of 16, and float64 (false returned, nothing done). One pass reads the corners and grad_out once (S4's forward and
 // backward 3-5% faster so on a 2-core Zen 3 EPYC).
 template <typename scalar_t>
 inline bool point_grads_in_one_pass(const Corners<scalar_t>& k, int64_t channel, int64_t len,
@@ -235,18 +235,23 @@ void coordinate_and_weight_grads_body(const ConvParams& p, const SamplingInputs<
 }
 DC_CPU_KERNEL(coordinate_and_weight_grads)
 
-// Adds d loss / d input into grad_input (channels-last): each task owns one image and one block of channels.
-template <typename scalar_t>
+// grad_input [B, C, H, W] (out_t: float32 rounded once to a half type) = d loss / d input. Each task owns one image
+// and one block of its channels: it sums their gradient channels-last in a buffer of its own and turns it into
+// grad_input at its end. (A whole channels-last gradient, zeroed first and turned afterwards, was as fast on S4 and
+// held another tensor of the input's size in float32.)
+template <typename scalar_t, typename out_t>
 void input_grad_body(const ConvParams& p, const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
-                     const scalar_t* grad_out, int64_t blocks, int64_t begin, int64_t end, scalar_t* grad_input) {
+                     const scalar_t* grad_out, int64_t blocks, int64_t begin, int64_t end, out_t* grad_input) {
   const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_group = p.channels_per_offset_group();
+  const int64_t image_pixels = p.height * p.width;
   const bool masked = in.mask != nullptr;
-  std::vector<scalar_t> grad_column(channels);
+  std::vector<scalar_t> grad_column(channels), image_grad;
   TapPoints<scalar_t> walk(p, in);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t n = task / blocks, block = task % blocks;
     const int64_t block_begin = block * channels / blocks, block_end = (block + 1) * channels / blocks;
-    scalar_t* image_grad = grad_input + n * p.height * p.width * channels;
+    const int64_t width = block_end - block_begin;  // image_grad holds channels [block_begin, block_end)
+    image_grad.assign(image_pixels * width, scalar_t(0));
     for (int64_t first = 0; first < pixels; first += kPointBlock) {
       const int64_t len = std::min(kPointBlock, pixels - first);
       walk.start_block(first, len);
@@ -254,7 +259,8 @@ void input_grad_body(const ConvParams& p, const SamplingInputs<scalar_t>& in, co
         const int64_t c_begin = std::max(block_begin, group * per_group);
         const int64_t c_end = std::min(block_end, (group + 1) * per_group);
         if (c_begin >= c_end) continue;
-        walk.compute_group(n, group, first, len, corner_source<scalar_t>(image_grad, channels, nullptr));
+        walk.compute_group(n, group, first, len, corner_source<scalar_t>(image_grad.data(), width, nullptr));
+        const int64_t at = c_begin - block_begin;  // channel c_begin in image_grad's pixels
         for (int64_t b = 0; b < len; ++b) {
           const scalar_t* __restrict__ g_out = grad_out + (n * pixels + first + b) * channels;
           for (int64_t tap = 0; tap < p.taps(); ++tap) {
@@ -262,10 +268,10 @@ void input_grad_body(const ConvParams& p, const SamplingInputs<scalar_t>& in, co
             const scalar_t m = masked ? in.mask[p.mask_index(n, group, tap, first + b)] : scalar_t(1);
             const scalar_t* __restrict__ w = weight_tc + tap * channels;
             if (points.valid[0][b] && points.valid[1][b] && points.valid[2][b] && points.valid[3][b]) {
-              scalar_t* const dst[4] = {reinterpret_cast<scalar_t*>(points.address[0][b]) + c_begin,
-                                        reinterpret_cast<scalar_t*>(points.address[1][b]) + c_begin,
-                                        reinterpret_cast<scalar_t*>(points.address[2][b]) + c_begin,
-                                        reinterpret_cast<scalar_t*>(points.address[3][b]) + c_begin};
+              scalar_t* const dst[4] = {reinterpret_cast<scalar_t*>(points.address[0][b]) + at,
+                                        reinterpret_cast<scalar_t*>(points.address[1][b]) + at,
+                                        reinterpret_cast<scalar_t*>(points.address[2][b]) + at,
+                                        reinterpret_cast<scalar_t*>(points.address[3][b]) + at};
               const scalar_t k[4] = {m * points.weight[0][b], m * points.weight[1][b], m * points.weight[2][b],
                                      m * points.weight[3][b]};
               add_to_four_corners(dst, k, c_end - c_begin, [&](const auto& tag, int64_t c) {
@@ -282,13 +288,15 @@ void input_grad_body(const ConvParams& p, const SamplingInputs<scalar_t>& in, co
             for (int64_t c = c_begin; c < c_end; ++c) gc[c] = w[c] * g_out[c];
             for (int q = 0; q < 4; ++q) {
               if (!points.valid[q][b]) continue;
-              scalar_t* dst = reinterpret_cast<scalar_t*>(points.address[q][b]) + c_begin;
+              scalar_t* dst = reinterpret_cast<scalar_t*>(points.address[q][b]) + at;
               add_scaled(m * points.weight[q][b], gc + c_begin, c_end - c_begin, dst);
             }
           }
         }
       }
     }
+    rows_into_channels_first(image_grad.data(), image_pixels, width, static_cast<const scalar_t*>(nullptr),
+                             grad_input + (n * channels + block_begin) * image_pixels, image_pixels);
   }
 }
 DC_CPU_KERNEL(input_grad)
@@ -320,12 +328,6 @@ void with_output_type(at::ScalarType dtype, const F& f) {
     if (dtype == at::kHalf) return f(c10::Half());
   }
   f(scalar_t());
-}
-
-// out [B, C, H, W] (contiguous, in its dtype) = rows [B, H, W, C] (contiguous).
-void rows_to_channels_first(const at::Tensor& rows, at::Tensor& out) {
-  if (rows.scalar_type() == at::kFloat && channels_first(rows, out)) return;
-  out.copy_(rows.permute({0, 3, 1, 2}));
 }
 
 }  // namespace
@@ -361,9 +363,11 @@ depthwise_backward(const ConvParams& p, const at::Tensor& grad_output, const at:
                    bool bias_defined) {
   const at::ScalarType compute = compute_type(input);
   const at::TensorOptions options = input.options().dtype(compute);
-  at::Tensor grad_input_cl = input.new_zeros({p.batch, p.height, p.width, p.in_channels}, options);  // channels-last
-  at::Tensor grad_offset = offset.new_zeros(offset.sizes(), options);
-  at::Tensor grad_mask = mask.has_value() ? mask->new_zeros(mask->sizes(), options) : at::Tensor();
+  // Every value of these three is written where there are rows (output pixels: conv_params checks that an image
+  // has one), and they are empty where there are none (a batch of no images).
+  at::Tensor grad_input = input.new_empty({p.batch, p.in_channels, p.height, p.width});
+  at::Tensor grad_offset = offset.new_empty(offset.sizes(), options);
+  at::Tensor grad_mask = mask.has_value() ? mask->new_empty(mask->sizes(), options) : at::Tensor();
   at::Tensor grad_weight_tc = weight.new_zeros({p.taps(), p.in_channels}, options);
 
   const at::Tensor grad_out_cl = in_channels_last(grad_output, compute);  // [B, H_out, W_out, C] in memory
@@ -391,9 +395,12 @@ depthwise_backward(const ConvParams& p, const at::Tensor& grad_output, const at:
       // Tasks are (image, block of channels) pairs: each owns the part of grad_input it writes.
       const int64_t blocks = std::max<int64_t>(
           1, std::min<int64_t>((2 * at::get_num_threads() + p.batch - 1) / p.batch, p.in_channels / 16));
-      at::parallel_for(0, p.batch * blocks, 1, [&](int64_t begin, int64_t end) {
-        input_grad<scalar_t>(p, in, weight_tc.const_data_ptr<scalar_t>(), grad_out_cl.const_data_ptr<scalar_t>(),
-                             blocks, begin, end, grad_input_cl.mutable_data_ptr<scalar_t>());
+      with_output_type<scalar_t>(grad_input.scalar_type(), [&](auto out_type) {
+        using out_t = decltype(out_type);
+        at::parallel_for(0, p.batch * blocks, 1, [&](int64_t begin, int64_t end) {
+          input_grad<scalar_t>(p, in, weight_tc.const_data_ptr<scalar_t>(), grad_out_cl.const_data_ptr<scalar_t>(),
+                               blocks, begin, end, grad_input.mutable_data_ptr<out_t>());
+        });
       });
       // Block by block, in order: the same sum whatever the number of threads.
       const scalar_t* partials = weight_partials.const_data_ptr<scalar_t>();
@@ -405,8 +412,6 @@ depthwise_backward(const ConvParams& p, const at::Tensor& grad_output, const at:
     });
   }
   const at::ScalarType dtype = input.scalar_type();
-  at::Tensor grad_input = input.new_empty({p.batch, p.in_channels, p.height, p.width});
-  rows_to_channels_first(grad_input_cl, grad_input);
   std::optional<at::Tensor> grad_mask_result;
   if (grad_mask.defined()) grad_mask_result = grad_mask.to(dtype);
   return {grad_input, grad_offset.to(dtype),
