@@ -37,6 +37,13 @@ constexpr int kSumLanes = 16;
 #else
 #define DC_AVX512_ASM
 #endif
+// Likewise a helper that calls an AVX2 builtin (partial_block) in the library compiled for AVX2, and its callers
+// where a vector passes between them (Clang refuses a 256-bit vector returned across instruction sets).
+#if DC_CPU_VECTOR_BITS == 256
+#define DC_AVX2_HELPER __attribute__((target("avx2")))
+#else
+#define DC_AVX2_HELPER
+#endif
 
 // The 16 partial sums lane by lane, in an array.
 template <typename acc_t>
@@ -607,8 +614,18 @@ inline float total_of_blocks(const V* sums) {
 
 #if defined(__GNUC__) && (DC_CPU_VECTOR_BITS == 256 || DC_CPU_VECTOR_BITS == 128)
 // Lanes [0, n) of a block of kBlockLanes from p, 0 < n < kBlockLanes, widened to float exactly; +0 in the others.
+// Floats in a library compiled for AVX2: one load under a mask (AVX's vmaskmovps), which reads nothing past the
+// count. (Built value by value, the block went through the stack, and each load of it waited on the stores: the
+// coordinates' pass of a layer whose offset groups have 10 channels, 8 + 2, spent a third of its time there.)
 template <typename T>
-inline BlockLanes partial_block(const T* p, int n) {
+DC_AVX2_HELPER inline BlockLanes partial_block(const T* p, int n) {
+#if DC_CPU_VECTOR_BITS == 256
+  if constexpr (std::is_same_v<T, float>) {
+    typedef int32_t IndexLanes __attribute__((vector_size(sizeof(BlockLanes))));
+    const IndexLanes index = {0, 1, 2, 3, 4, 5, 6, 7};
+    return __builtin_ia32_maskloadps256(reinterpret_cast<const BlockLanes*>(p), index < n);
+  }
+#endif
   BlockLanes lanes = {};
   int j = 0;
 #if DC_CPU_VECTOR_BITS == 256 && (defined(__clang__) || __GNUC__ >= 12)  // __builtin_shufflevector
@@ -634,7 +651,7 @@ inline void lane_dots_in_blocks(const A* a, const B* const* b, int64_t len, floa
   BlockLanes sums[count][kBlocks] = {};
   // Lanes [0, n) of 16 from p in kBlocks vectors, +0 in the others. (A block that is partly there is built apart,
   // by partial_block: with its element-by-element writes here, GCC kept every block of the loop in memory.)
-  const auto load = [](const auto* p, int n, BlockLanes (&lanes)[kBlocks]) {
+  const auto load = [](const auto* p, int n, BlockLanes (&lanes)[kBlocks]) DC_AVX2_HELPER {
 #pragma GCC unroll 4
     for (int k = 0; k < kBlocks; ++k) {
       const int first = k * kBlockLanes;
