@@ -210,18 +210,8 @@ void coordinate_and_weight_grads_body(const ConvParams& p, const SamplingInputs<
               }
               if (points.inside[b]) corner_dots(corners, c0, per_group, static_cast<const scalar_t*>(gc), dot);
             }
-            // d loss / d value, d y and d x, before the mask's factor; the corners outside the image add nothing.
-            scalar_t grad_value = sum_start<scalar_t>(points.nan[b]), grad_y = grad_value, grad_x = grad_value;
-            if (points.inside[b]) {
-              const scalar_t ly = points.ly[b], lx = points.lx[b], hy = scalar_t(1) - ly, hx = scalar_t(1) - lx;
-              const scalar_t weight_dy[4] = {-hx, -lx, hx, lx}, weight_dx[4] = {-hy, hy, -ly, ly};
-              for (int q = 0; q < 4; ++q) {
-                if (!points.valid[q][b]) continue;
-                grad_value += corners.weight[q] * dot[q];
-                grad_y += weight_dy[q] * dot[q];
-                grad_x += weight_dx[q] * dot[q];
-              }
-            }
+            scalar_t grad_value, grad_y, grad_x;
+            points.grads_from_dots(b, dot, grad_value, grad_y, grad_x);
             const int64_t at = p.offset_index(n, group, tap, first + b);
             grad_offset[at] = points.coordinate_grad(b, m, grad_y, p.border_gradient);
             grad_offset[at + pixels] = points.coordinate_grad(b, m, grad_x, p.border_gradient);
@@ -267,13 +257,9 @@ void input_grad_body(const ConvParams& p, const SamplingInputs<scalar_t>& in, co
             const PointBlock<scalar_t>& points = walk.taps[tap];
             const scalar_t m = masked ? in.mask[p.mask_index(n, group, tap, first + b)] : scalar_t(1);
             const scalar_t* __restrict__ w = weight_tc + tap * channels;
-            if (points.valid[0][b] && points.valid[1][b] && points.valid[2][b] && points.valid[3][b]) {
-              scalar_t* const dst[4] = {reinterpret_cast<scalar_t*>(points.address[0][b]) + at,
-                                        reinterpret_cast<scalar_t*>(points.address[1][b]) + at,
-                                        reinterpret_cast<scalar_t*>(points.address[2][b]) + at,
-                                        reinterpret_cast<scalar_t*>(points.address[3][b]) + at};
-              const scalar_t k[4] = {m * points.weight[0][b], m * points.weight[1][b], m * points.weight[2][b],
-                                     m * points.weight[3][b]};
+            scalar_t* dst[4];
+            scalar_t k[4];
+            if (points.all_corners(b, at, m, dst, k)) {
               add_to_four_corners(dst, k, c_end - c_begin, [&](const auto& tag, int64_t c) {
                 using V = std::decay_t<decltype(tag)>;
                 V w_c, g_c;

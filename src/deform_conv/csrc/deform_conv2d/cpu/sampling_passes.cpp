@@ -178,12 +178,9 @@ void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, im
         for (int64_t b = 0; b < len; ++b) {
           for (int64_t tap = 0; tap < p.taps(); ++tap) {
             const PointBlock<scalar_t>& points = walk.taps[tap];
-            // d loss / d value, d y and d x, before the mask's factor; the corners outside the image add nothing.
-            scalar_t grad_value = sum_start<scalar_t>(points.nan[b]), grad_y = grad_value, grad_x = grad_value;
+            scalar_t dot[4] = {};
             if (points.inside[b]) {
               const Corners<scalar_t, image_t> corners = points.template corners<image_t>(b);
-              const scalar_t ly = points.ly[b], lx = points.lx[b], hy = scalar_t(1) - ly, hx = scalar_t(1) - lx;
-              const scalar_t weight_dy[4] = {-hx, -lx, hx, lx}, weight_dx[4] = {-hy, hy, -ly, ly};
               const scalar_t* grad = block_grad + b * row_size + tap * per_group;
               // The offset group's columns' gradient, in the order of its channels: gathered where the weight groups
               // cut it into pieces, so that one dot product a corner sums the whole group, with one total, where a
@@ -199,15 +196,10 @@ void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, im
                 group_grad = gathered.data();
                 group_length = per_offset_group;
               }
-              scalar_t dot[4];
               corner_dots(corners, pieces_begin->channel, group_length, group_grad, dot);
-              for (int q = 0; q < 4; ++q) {
-                if (!points.valid[q][b]) continue;
-                grad_value += corners.weight[q] * dot[q];
-                grad_y += weight_dy[q] * dot[q];
-                grad_x += weight_dx[q] * dot[q];
-              }
             }
+            scalar_t grad_value, grad_y, grad_x;
+            points.grads_from_dots(b, dot, grad_value, grad_y, grad_x);
             const int64_t at = p.offset_index(n, group, tap, first + b);
             const int64_t mask_at = p.mask_index(n, group, tap, first + b);
             const scalar_t m = masked ? in.mask[mask_at] : scalar_t(1);
@@ -260,13 +252,9 @@ void input_grad_tasks_body(const ConvParams& p, const SamplingInputs<scalar_t>& 
                 const int64_t count = length_of(*piece, c0);
                 if (count <= 0) continue;
                 const scalar_t* __restrict__ grad = grad_row + piece->column + (c0 - piece->channel);
-                if (points.valid[0][b] && points.valid[1][b] && points.valid[2][b] && points.valid[3][b]) {
-                  scalar_t* const dst[4] = {reinterpret_cast<scalar_t*>(points.address[0][b]) + c0,
-                                            reinterpret_cast<scalar_t*>(points.address[1][b]) + c0,
-                                            reinterpret_cast<scalar_t*>(points.address[2][b]) + c0,
-                                            reinterpret_cast<scalar_t*>(points.address[3][b]) + c0};
-                  const scalar_t k[4] = {m * points.weight[0][b], m * points.weight[1][b], m * points.weight[2][b],
-                                         m * points.weight[3][b]};
+                scalar_t* dst[4];
+                scalar_t k[4];
+                if (points.all_corners(b, c0, m, dst, k)) {
                   add_to_four_corners(dst, k, count, [&](const auto& tag, int64_t c) {
                     std::decay_t<decltype(tag)> value;
                     std::memcpy(&value, grad + c, sizeof(value));

@@ -216,6 +216,34 @@ struct PointBlock {
     return k;
   }
 
+  // Whether all four corners of point b lie in the image; if so, dst[q] = corner q's pixel in the source compute()
+  // was given (of scalar_t), from channel `channel`, and k[q] = m * its weight.
+  bool all_corners(int64_t b, int64_t channel, scalar_t m, scalar_t* dst[4], scalar_t k[4]) const {
+    if (!(valid[0][b] && valid[1][b] && valid[2][b] && valid[3][b])) return false;
+    for (int q = 0; q < 4; ++q) {
+      dst[q] = reinterpret_cast<scalar_t*>(address[q][b]) + channel;
+      k[q] = m * weight[q][b];
+    }
+    return true;
+  }
+
+  // d loss / d value, d y and d x of point b before the mask's factor, from dot[q], the sum over its channels of the
+  // column's gradient times corner q's values: the corners outside the image add nothing; a point outside it has 0
+  // (dot unread), a NaN coordinate NaN.
+  void grads_from_dots(int64_t b, const scalar_t dot[4], scalar_t& grad_value, scalar_t& grad_y,
+                       scalar_t& grad_x) const {
+    grad_value = grad_y = grad_x = sum_start<scalar_t>(nan[b]);
+    if (!inside[b]) return;
+    const scalar_t hy = scalar_t(1) - ly[b], hx = scalar_t(1) - lx[b];
+    const scalar_t weight_dy[4] = {-hx, -lx[b], hx, lx[b]}, weight_dx[4] = {-hy, hy, -ly[b], ly[b]};
+    for (int q = 0; q < 4; ++q) {
+      if (!valid[q][b]) continue;
+      grad_value += weight[q][b] * dot[q];
+      grad_y += weight_dy[q] * dot[q];
+      grad_x += weight_dx[q] * dot[q];
+    }
+  }
+
   // d loss / d y (x) of point b with mask factor m, given the derivative of its unmasked value (coordinate_grad).
   scalar_t coordinate_grad(int64_t b, scalar_t m, scalar_t grad, BorderGradient border) const {
     const bool on_lower_border = inside[b] && ((y0[b] == -1 && ly[b] == scalar_t(0)) ||
