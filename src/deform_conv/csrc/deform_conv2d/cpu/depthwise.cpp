@@ -90,8 +90,8 @@ void rows_into_channels_first(const scalar_t* rows, int64_t len, int64_t channel
 
 // out[n, c, pixel] = sum over taps of weight[tap, c] * mask * bilinear(input[n, ..., c]) (+ bias[c]) for rows
 // (n, pixel) in [begin, end). Each block of rows is summed channels-last in a buffer of 16 rows, which stays in the
-// cache, and turned over into the output from there: turned in a pass of their own, the rows went to memory and back (S4's forward, 8 images
-// of 128 channels, 28x28, ran 5-6% slower so on a 2-core Zen 3 EPYC).
+// cache, and turned over into the output from there: turned in a pass of their own, the rows went to memory and
+// back (S4's forward, 8 images of 128 channels, 28x28, ran 5-6% slower so on a 2-core Zen 3 EPYC).
 template <typename scalar_t, typename out_t>
 void forward_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
                        const scalar_t* bias, int64_t begin, int64_t end, out_t* out) {
@@ -124,8 +124,8 @@ DC_CPU_KERNEL(forward_rows)
 // dot[q] = the sum over c of (w[c] * g[c]) * pixel_q[channel + c], in cpu_lanes.h's lane order, for the
 // coordinates' and the mask's gradients. The same operations, so the same bits, as interpolate_corners, the loop
 // over the channels and corner_dots one after the other, which take the layers whose offset groups' channels do not
-// come in runs of 16, and float64 (false returned, nothing done). One pass reads the corners and grad_out once (S4's forward and
-// backward 3-5% faster so on a 2-core Zen 3 EPYC).
+// come in runs of 16, and float64 (false returned, nothing done). One pass reads the corners and grad_out once
+// (S4's forward and backward 3-5% faster so on a 2-core Zen 3 EPYC).
 template <typename scalar_t>
 inline bool point_grads_in_one_pass(const Corners<scalar_t>& k, int64_t channel, int64_t len,
                                     const scalar_t* __restrict__ g, const scalar_t* __restrict__ w, scalar_t m,
