@@ -10,10 +10,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "half_conversion.h"
 #include "layout.h"
 #include "sampling_point.h"
-#include "transpose.h"
 
 namespace deform_conv {
 namespace cpu {
@@ -69,15 +67,13 @@ inline void sum_of_taps(const PointBlock<scalar_t>* taps, int64_t tap_count, int
   for (int64_t c = 0; c < len; ++c) sum_block(std::integral_constant<int, 1>{}, scalar_t{}, c);
 }
 
-// rows [len, C] (+ add[c]) into the channels-first image `out` [C, pixels], from its pixel 0: turned over in
-// out_t (float32 rounded once to a half type), the sum added before the rounding; `add` nullptr adds nothing.
+// rows [len, C] (+ add[c]) into the channels-first image `out` [C, pixels], from its pixel 0: layout.h's
+// rows_to_channels_first in float32 (rounded once to a half-type out_t), value by value in float64.
 template <typename scalar_t, typename out_t>
-void rows_into_channels_first(const scalar_t* rows, int64_t len, int64_t channels, const scalar_t* add, out_t* out,
-                              int64_t pixels) {
-  if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<out_t, float>) {
-    transpose(rows, len, channels, channels, out, pixels, add);
-  } else if constexpr (std::is_same_v<scalar_t, float>) {
-    transpose_narrowing(rows, len, channels, channels, out, pixels, add);
+void write_channels_first(const scalar_t* rows, int64_t len, int64_t channels, const scalar_t* add, out_t* out,
+                          int64_t pixels) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    rows_to_channels_first(rows, len, channels, add, out, pixels);
   } else {
     for (int64_t c = 0; c < channels; ++c) {
       for (int64_t i = 0; i < len; ++i) {
@@ -113,7 +109,7 @@ void forward_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in, 
                     block_rows.data() + b * channels + c0);
       }
     }
-    rows_into_channels_first(block_rows.data(), len, channels, bias, out + n * channels * pixels + first, pixels);
+    write_channels_first(block_rows.data(), len, channels, bias, out + n * channels * pixels + first, pixels);
     row += len;
   }
 }
@@ -281,7 +277,7 @@ void input_grad_body(const ConvParams& p, const SamplingInputs<scalar_t>& in, co
         }
       }
     }
-    rows_into_channels_first(image_grad.data(), image_pixels, width, static_cast<const scalar_t*>(nullptr),
+    write_channels_first(image_grad.data(), image_pixels, width, static_cast<const scalar_t*>(nullptr),
                              grad_input + (n * channels + block_begin) * image_pixels, image_pixels);
   }
 }
@@ -365,8 +361,8 @@ depthwise_backward(const ConvParams& p, const at::Tensor& grad_output, const at:
     const at::Tensor offset_c = contiguous_in(offset, compute);
     const at::Tensor mask_c = mask.has_value() ? contiguous_in(*mask, compute) : at::Tensor();
     const at::Tensor weight_tc = weight_by_tap(p, weight, compute);
-    const int64_t blocks = std::min(kMaxWeightBlocks, rows);
-    const int64_t rows_per_block = (rows + blocks - 1) / blocks;
+    const int64_t weight_blocks = std::min(kMaxWeightBlocks, rows);
+    const int64_t rows_per_block = (rows + weight_blocks - 1) / weight_blocks;
     at::Tensor weight_partials =
         weight.new_empty({(rows + rows_per_block - 1) / rows_per_block, p.taps(), p.in_channels}, options);
     AT_DISPATCH_FLOATING_TYPES(compute, "deform_conv2d_depthwise_backward_cpu", [&] {
@@ -379,13 +375,13 @@ depthwise_backward(const ConvParams& p, const at::Tensor& grad_output, const at:
                                               weight_partials.mutable_data_ptr<scalar_t>());
       });
       // Tasks are (image, block of channels) pairs: each owns the part of grad_input it writes.
-      const int64_t blocks = std::max<int64_t>(
+      const int64_t channel_blocks = std::max<int64_t>(
           1, std::min<int64_t>((2 * at::get_num_threads() + p.batch - 1) / p.batch, p.in_channels / 16));
       with_output_type<scalar_t>(grad_input.scalar_type(), [&](auto out_type) {
         using out_t = decltype(out_type);
-        at::parallel_for(0, p.batch * blocks, 1, [&](int64_t begin, int64_t end) {
+        at::parallel_for(0, p.batch * channel_blocks, 1, [&](int64_t begin, int64_t end) {
           input_grad<scalar_t>(p, in, weight_tc.const_data_ptr<scalar_t>(), grad_out_cl.const_data_ptr<scalar_t>(),
-                               blocks, begin, end, grad_input.mutable_data_ptr<out_t>());
+                               channel_blocks, begin, end, grad_input.mutable_data_ptr<out_t>());
         });
       });
       // Block by block, in order: the same sum whatever the number of threads.

@@ -4,6 +4,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "half_conversion.h"
 #include "transpose.h"
@@ -92,30 +93,44 @@ bool channels_first(const at::Tensor& channels_last, at::Tensor& out, const floa
   const auto at_run = [&](int64_t n, int64_t first) {
     return std::pair<int64_t, int64_t>((n * pixels + first) * channels, n * channels * pixels + first);
   };
-  if (to == at::kFloat) {
-    const float* src = channels_last.const_data_ptr<float>();
-    float* dst = out.mutable_data_ptr<float>();
+  // Into out_t: from float32 (rows_to_channels_first), or a half type's bits moved as they are.
+  const auto turn = [&](auto out_type) {
+    using out_t = decltype(out_type);
+    out_t* dst = out.mutable_data_ptr<out_t>();
     for_pixel_runs(out.size(0), pixels, [&](int64_t n, int64_t first, int64_t len) {
       const auto [s, d] = at_run(n, first);
-      transpose(src + s, len, channels, channels, dst + d, pixels, add_per_channel);
-    });
-    return true;
-  }
-  with_half_type(to, [&](auto half) {
-    using half_t = decltype(half);
-    half_t* dst = out.mutable_data_ptr<half_t>();
-    for_pixel_runs(out.size(0), pixels, [&](int64_t n, int64_t first, int64_t len) {
-      const auto [s, d] = at_run(n, first);
-      if (from == to) {
-        transpose(channels_last.const_data_ptr<half_t>() + s, len, channels, channels, dst + d, pixels);
-      } else {
-        transpose_narrowing(channels_last.const_data_ptr<float>() + s, len, channels, channels, dst + d, pixels,
-                            add_per_channel);
+      if constexpr (!std::is_same_v<out_t, float>) {
+        if (from == to) {
+          transpose(channels_last.const_data_ptr<out_t>() + s, len, channels, channels, dst + d, pixels);
+          return;
+        }
       }
+      rows_to_channels_first(channels_last.const_data_ptr<float>() + s, len, channels, add_per_channel, dst + d,
+                             pixels);
     });
-  });
+  };
+  if (to == at::kFloat) {
+    turn(float());
+  } else {
+    with_half_type(to, turn);
+  }
   return true;
 }
+
+template <typename out_t>
+void rows_to_channels_first(const float* rows, int64_t len, int64_t channels, const float* add, out_t* out,
+                            int64_t ld_out) {
+  if constexpr (std::is_same_v<out_t, float>) {
+    transpose(rows, len, channels, channels, out, ld_out, add);
+  } else {
+    transpose_narrowing(rows, len, channels, channels, out, ld_out, add);
+  }
+}
+
+template void rows_to_channels_first<float>(const float*, int64_t, int64_t, const float*, float*, int64_t);
+template void rows_to_channels_first<c10::BFloat16>(const float*, int64_t, int64_t, const float*, c10::BFloat16*,
+                                                    int64_t);
+template void rows_to_channels_first<c10::Half>(const float*, int64_t, int64_t, const float*, c10::Half*, int64_t);
 
 at::Tensor float32_contiguous(const at::Tensor& t) {
   if (!is_half(t.scalar_type()) || !t.is_contiguous()) return t.to(at::kFloat).contiguous();

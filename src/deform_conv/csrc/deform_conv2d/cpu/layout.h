@@ -17,8 +17,8 @@ namespace cpu {
 bool channels_last(const at::Tensor& channels_first, at::Tensor& out);
 
 // t [B, C, H, W] in `dtype`, channels-last in memory: t itself where it is so already, else turned
-// (channels_last(), or ATen's copy where it does not apply) into allocate(t's sizes, t's options in `dtype`), a channels-last tensor (a fresh one where
-// `allocate` is nullptr).
+// (channels_last(), or ATen's copy where it does not apply) into allocate(t's sizes, t's options in `dtype`), a
+// channels-last tensor (a fresh one where `allocate` is nullptr).
 using ChannelsLastAllocator = at::Tensor (*)(at::IntArrayRef sizes, const at::TensorOptions& options);
 at::Tensor in_channels_last(const at::Tensor& t, at::ScalarType dtype, ChannelsLastAllocator allocate = nullptr);
 
@@ -27,6 +27,13 @@ at::Tensor in_channels_last(const at::Tensor& t, at::ScalarType dtype, ChannelsL
 // in float32 before the rounding. Returns false, doing nothing, for other dtypes or layouts, to leave the copy to
 // ATen (which cannot add).
 bool channels_first(const at::Tensor& channels_last, at::Tensor& out, const float* add_per_channel = nullptr);
+
+// rows [len, C] of float32 (+ add[c]) into out [C, ld_out] from its column 0, turned over: in float32, or rounded
+// once to a half type (c10::BFloat16, c10::Half), the sum before the rounding; `add` nullptr adds nothing. What
+// channels_first() does a run of an image's pixels at a time, for passes that hold their own rows (depthwise.cpp).
+template <typename out_t>
+void rows_to_channels_first(const float* rows, int64_t len, int64_t channels, const float* add, out_t* out,
+                            int64_t ld_out);
 
 // t in float32, contiguous: t itself where it is so already; a half type widened on the library's vectors, in
 // parallel (ATen's conversion of G6's offsets and mask, 600,000 bfloat16 values, took 0.3-0.4 ms, an eighth of its
