@@ -132,7 +132,7 @@ bool is_half_type(const at::Tensor& t) {
 }
 at::Tensor widened(const at::Tensor& t) { return float32_contiguous(t); }
 std::optional<at::Tensor> widened(const std::optional<at::Tensor>& t) {
-  return t.has_value() ? std::optional<at::Tensor>(float32_contiguous(*t)) : std::nullopt;
+  return t.has_value() ? std::optional<at::Tensor>(widened(*t)) : std::nullopt;
 }
 std::optional<at::Tensor> narrowed(const std::optional<at::Tensor>& t, at::ScalarType dtype) {
   return t.has_value() ? std::optional<at::Tensor>(t->to(dtype)) : std::nullopt;
