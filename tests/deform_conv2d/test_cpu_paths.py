@@ -59,6 +59,17 @@ def test_offset_group_widths(dtype, per_offset_group, batch):
     assert_all_close(results, output_and_grads(torchvision.ops.deform_conv2d, case), dtype)
 
 
+@pytest.mark.parametrize("piece", [8, 12, 16])
+def test_offset_groups_cut_into_equal_pieces(dtype, piece):
+    """6 * piece channels in 2 weight groups and 3 offset groups: the middle offset group is cut into two pieces of
+    `piece` channels, which in float32 run the channel loops of that fixed width (with_piece_length), the others
+    are whole (of 2 * piece channels)."""
+    case = _network_scale(make_case(dtype, batch=2, in_channels=6 * piece, out_channels=4, groups=2, offset_groups=3))
+    results = output_and_grads(ours, case)
+    assert_all_close(results, output_and_grads(reference, case), dtype)
+    assert_all_close(results, output_and_grads(torchvision.ops.deform_conv2d, case), dtype)
+
+
 @pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no_mask"])
 @pytest.mark.parametrize("offset_groups", [1, 4])
 def test_depthwise_path(dtype, with_mask, offset_groups):

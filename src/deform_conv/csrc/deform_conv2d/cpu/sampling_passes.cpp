@@ -37,13 +37,16 @@ struct OffsetGroupPieces {
   }
 };
 
-// Calls f(length_of), length_of(piece) a piece's length: where the offset group is one piece, a constant of
-// with_common_width (cpu_lanes.h) if it has 8, 12, 16, 32 or 64 channels, up to max_width (0: none). (A stride-2
-// layer of 16 channels in two offset groups filled its columns 1.45x faster so.)
+// Calls f(length_of), length_of(piece) a piece's length: where the offset group's pieces all have one length, a
+// constant of with_common_width (cpu_lanes.h) if it is 8, 12, 16, 32 or 64 channels, up to max_width (0: none). (A
+// stride-2 layer of 16 channels in two offset groups filled its columns 1.45x faster so; a layer of 96 channels in 4
+// weight and 6 offset groups, whose offset groups are whole 16 or two pieces of 8, ran its forward 8-11% faster with
+// the pieces' width fixed too.)
 template <int64_t max_width, typename F>
 inline void with_piece_length(const ChannelPiece* begin, const ChannelPiece* end, const F& f) {
   if constexpr (max_width > 0) {
-    if (end - begin == 1) {
+    const auto as_first = [begin](const ChannelPiece& piece) { return piece.length == begin->length; };
+    if (std::all_of(begin, end, as_first)) {
       with_common_width<max_width>(begin->length, [&](const auto width) {
         f([width](const ChannelPiece&) { return static_cast<int64_t>(width); });
       });
