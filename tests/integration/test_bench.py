@@ -198,3 +198,22 @@ def test_bench_command_writes_a_family_table(tmp_path):
     table = (tmp_path / "cpu_dcnv3.md").read_text()
     assert "| case | pass | ours (ms) | grid_sample composition (ms) | depthwise conv2d (ms) |" in table
     assert "| smoke | fwd |" in table and "| smoke | fwd+bwd |" in table and "torch " in table
+
+
+def test_sampling_passes_table_times_every_pass_in_each_dtype(tmp_path):
+    """benchmarks/sampling_passes_speed.py on the tiny case: a time for every pass in float32 and bfloat16 (the
+    half path's passes on any CPU: natively or beside the portable GEMM), each row's ratio to float32."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "sampling_passes_speed.py"
+    out = tmp_path / "passes.md"
+    result = subprocess.run([sys.executable, str(script), "--threads", "2", "--cases", "T1", "--dtypes",
+                             "float32,bfloat16", "--rounds", "1", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| T1 |")]
+    names = [row.split("|")[2].strip().split(" (")[0] for row in rows]
+    assert names == ["channels_last", "fill_columns", "coordinate_grads", "input_grad", "channels_first",
+                     "sampling passes", "backward_gemms"]
+    for row in rows:
+        float32_ms, bfloat16_ms, ratio = (float(cell) for cell in row.split("|")[3:6])
+        assert float32_ms > 0 and bfloat16_ms > 0 and ratio > 0, row
+    assert "bfloat16: native" in rows[-1] or "bfloat16: portable" in rows[-1]

@@ -10,6 +10,7 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -62,6 +63,12 @@ at::Tensor column_buffer(const SamplingPasses& passes, const ConvParams& p, int6
 }
 
 const std::vector<int64_t> kOnes{1, 1}, kZeros{0, 0};
+
+// A range named `name` ("deform_conv2d::fill_columns", ...) in torch.profiler's trace around one pass of the op,
+// opened on the calling thread: on the CPU the pass's wall time, its threads' work included (on the GPU, the time
+// to launch it). The op's time split between its passes in any trace, and what benchmarks/sampling_passes_speed.py
+// reads; without a profiler, one check that nothing listens.
+#define DC_PASS_RANGE(name) RECORD_FUNCTION(name, std::vector<c10::IValue>())
 
 // out [B, C, H, W] = channels_last [B, H, W, C] turned over (SamplingPasses::channels_first, else ATen's copy).
 void copy_channels_first(const SamplingPasses& passes, const at::Tensor& channels_last, at::Tensor& out) {
@@ -204,6 +211,7 @@ SamplingTensors::SamplingTensors(const SamplingPasses& passes, const at::Tensor&
   if (dtype != input_.scalar_type() || !input.is_contiguous(at::MemoryFormat::ChannelsLast)) {
     input = channels_last_buffer(passes, ScratchSlot::channels_last_input, input_.sizes(),
                                  input_.options().dtype(dtype));
+    DC_PASS_RANGE("deform_conv2d::channels_last");
     if (passes.channels_last == nullptr || !passes.channels_last(input_, input)) input.copy_(input_);
   }
 }
@@ -231,8 +239,12 @@ at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const
   for (int64_t first = 0; first < p.batch; first += chunk) {
     const int64_t images = std::min(chunk, p.batch - first);
     at::Tensor chunk_columns = columns.narrow(0, 0, images);
-    passes.fill_columns(p, tensors, first, images, chunk_columns);
+    {
+      DC_PASS_RANGE("deform_conv2d::fill_columns");
+      passes.fill_columns(p, tensors, first, images, chunk_columns);
+    }
     at::Tensor chunk_output = output.narrow(0, first, images);
+    DC_PASS_RANGE("deform_conv2d::forward_gemm");
     if (!passes.gemm_as_convolution) {
       chunk_gemms_forward(p, chunk_columns, weight_1x1, bias, chunk_output);
     } else if (rows_gemm) {
@@ -317,31 +329,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
       const int64_t images = std::min(chunk, p.batch - first);
       at::Tensor chunk_columns = columns.narrow(0, 0, images);
       at::Tensor chunk_grad_columns = columns_apart ? grad_columns.narrow(0, 0, images) : chunk_columns;
-      passes.fill_columns(p, tensors, first, images, chunk_columns);
+      {
+        DC_PASS_RANGE("deform_conv2d::fill_columns");
+        passes.fill_columns(p, tensors, first, images, chunk_columns);
+      }
       const at::Tensor chunk_grad_output = wide_grad_output.defined() ? wide_grad_output
                                            : half_in_float32 ? grad_output.narrow(0, first, images).to(acc_type)
                                                              : grad_output;
       const int64_t grad_first = half_in_float32 && !wide_grad_output.defined() ? 0 : first;
-      if (chunk_gemms) {
-        const at::Tensor grad_rows = grad_output_rows.narrow(0, first, images).contiguous()
-                                         .view({images * p.out_pixels(), p.out_channels});
-        chunk_gemms_backward(p, grad_rows, weight_matrix, chunk_columns, grad_weights);
-      } else if (passes.backward_gemms == nullptr ||
-                 !passes.backward_gemms(p, chunk_grad_output, grad_first, images, weight_matrix, chunk_columns,
-                                        chunk_grad_columns, grad_weights)) {
-        // Half-type columns refused (the half GEMM's settings, DEFORM_CONV_CPU_HALF_GEMM or oneDNN's flag, changed
-        // since the call began, on another thread): ATen's GEMMs on them, widened, and on grad_output and the
-        // weight widened too.
-        if (columns_apart) {
-          chunk_grad_columns.copy_(chunk_columns);
-          backward_gemms_with_aten(p, grad_output.narrow(0, first, images).to(acc_type), 0, images,
-                                   weight_matrix.to(acc_type), chunk_grad_columns, grad_weights);
-        } else {
-          backward_gemms_with_aten(p, chunk_grad_output, grad_first, images, weight_matrix, chunk_grad_columns,
-                                   grad_weights);
+      {
+        DC_PASS_RANGE("deform_conv2d::backward_gemms");
+        if (chunk_gemms) {
+          const at::Tensor grad_rows = grad_output_rows.narrow(0, first, images).contiguous()
+                                           .view({images * p.out_pixels(), p.out_channels});
+          chunk_gemms_backward(p, grad_rows, weight_matrix, chunk_columns, grad_weights);
+        } else if (passes.backward_gemms == nullptr ||
+                   !passes.backward_gemms(p, chunk_grad_output, grad_first, images, weight_matrix, chunk_columns,
+                                          chunk_grad_columns, grad_weights)) {
+          // Half-type columns refused (the half GEMM's settings, DEFORM_CONV_CPU_HALF_GEMM or oneDNN's flag, changed
+          // since the call began, on another thread): ATen's GEMMs on them, widened, and on grad_output and the
+          // weight widened too.
+          if (columns_apart) {
+            chunk_grad_columns.copy_(chunk_columns);
+            backward_gemms_with_aten(p, grad_output.narrow(0, first, images).to(acc_type), 0, images,
+                                     weight_matrix.to(acc_type), chunk_grad_columns, grad_weights);
+          } else {
+            backward_gemms_with_aten(p, chunk_grad_output, grad_first, images, weight_matrix, chunk_grad_columns,
+                                     grad_weights);
+          }
         }
       }
-      passes.coordinate_and_mask_grads(p, tensors, first, images, chunk_grad_columns, grad_offset, grad_mask);
+      {
+        DC_PASS_RANGE("deform_conv2d::coordinate_grads");
+        passes.coordinate_and_mask_grads(p, tensors, first, images, chunk_grad_columns, grad_offset, grad_mask);
+      }
+      DC_PASS_RANGE("deform_conv2d::input_grad");
       passes.accumulate_input_grad(p, tensors, first, images, chunk_grad_columns, grad_input);
     }
   } else {
@@ -352,7 +374,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
   std::optional<at::Tensor> grad_mask_result;
   if (grad_mask.defined()) grad_mask_result = grad_mask;
   at::Tensor grad_input_result = at::empty({p.batch, p.in_channels, p.height, p.width}, input.options());
-  copy_channels_first(passes, grad_input, grad_input_result);
+  {
+    DC_PASS_RANGE("deform_conv2d::channels_first");
+    copy_channels_first(passes, grad_input, grad_input_result);
+  }
   return {grad_input_result, grad_offset, weight_from_1x1(p, grad_weights.to(weight.scalar_type())), grad_mask_result,
           grad_bias};
 }
