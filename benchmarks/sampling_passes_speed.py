@@ -130,7 +130,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lines = ["# CPU sampling passes alone, float32 and half types", "",
              "Command: `python benchmarks/sampling_passes_speed.py"
              + (f" --threads {args.threads}" if args.threads else "") + f" --cases {args.cases}`", "",
-             environment(steadied), ""]
+             environment(steadied).replace("; fp32;", "; " + ", ".join(dtypes) + ";"), ""]
     lines += [f"- {half_path(DTYPES[name])}" for name in dtypes[1:]]
     lines += ["", "| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
     print("\n".join(lines), flush=True)
