@@ -47,7 +47,8 @@ def half_gemm_setting(dtype: torch.dtype) -> Optional[str]:
 
 
 def profiled_call(call, setting: Optional[str]) -> Dict[str, float]:
-    """The wall time (ms) of each of the op's pass ranges in one call, summed over its chunks."""
+    """The wall time (ms) of each of the backward's pass ranges in one forward+backward call, summed over its chunks
+    (a forward that takes the columns path opens ranges too, and which forwards do depends on the dtype)."""
     saved = os.environ.get(HALF_GEMM_VARIABLE)
     if setting is not None:
         os.environ[HALF_GEMM_VARIABLE] = setting
@@ -60,9 +61,12 @@ def profiled_call(call, setting: Optional[str]) -> Dict[str, float]:
                 del os.environ[HALF_GEMM_VARIABLE]
             else:
                 os.environ[HALF_GEMM_VARIABLE] = saved
+    events = prof.events()
+    backward = [e.time_range for e in events if e.name == "deform_conv::deform_conv2d_backward"]
     times: Dict[str, float] = {}
-    for event in prof.events():
-        if event.name.startswith("deform_conv2d::"):
+    for event in events:
+        within = any(op.start <= event.time_range.start and event.time_range.end <= op.end for op in backward)
+        if event.name.startswith("deform_conv2d::") and within:
             name = event.name.split("::", 1)[1]
             times[name] = times.get(name, 0.0) + event.time_range.elapsed_us() / 1e3
     return times
@@ -86,8 +90,9 @@ def case_rows(case: Case, dtypes: Sequence[str], rounds: int, seed: int) -> List
         return statistics.median(values) if len(values) == len(samples[name]) else None
 
     def sampling_total(name: str) -> Optional[float]:
-        values = [sum(sample.get(key, 0.0) for key in PASSES) for sample in samples[name]]
-        return statistics.median(values)
+        if not any(key in sample for sample in samples[name] for key in PASSES):
+            return None
+        return statistics.median(sum(sample.get(key, 0.0) for key in PASSES) for sample in samples[name])
 
     rows = []
     for key in PASSES + ["sampling passes", GEMMS]:
@@ -106,19 +111,27 @@ def case_rows(case: Case, dtypes: Sequence[str], rounds: int, seed: int) -> List
     return rows
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=None, help="torch's thread count (default: torch's)")
-    parser.add_argument("--cases", default="S1,S2,S3", help="benchmark cases, comma-separated (S1-S5, X1-X3, G1-G6; T1: seconds, what the test runs)")
+    parser.add_argument("--threads", type=positive, default=None, help="torch's thread count (default: torch's)")
+    parser.add_argument("--cases", default="S1,S2,S3",
+                        help="benchmark cases, comma-separated (S1-S5, X1-X3, G1-G6; T1: seconds, what the test runs)")
     parser.add_argument("--dtypes", default="float32,bfloat16,float16", help="float32 first, then half types")
-    parser.add_argument("--rounds", type=int, default=9, help="profiled calls of each dtype")
+    parser.add_argument("--rounds", type=positive, default=9, help="profiled calls of each dtype")
     parser.add_argument("--out", type=Path, default=None, help="write the table here too")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtypes = args.dtypes.split(",")
-    if dtypes[0] != "float32" or any(name not in DTYPES for name in dtypes):
-        parser.error(f"--dtypes: float32 first, then any of bfloat16, float16; got {args.dtypes!r}")
+    if dtypes[0] != "float32" or any(name not in DTYPES for name in dtypes) or len(set(dtypes)) < len(dtypes):
+        parser.error(f"--dtypes: float32 first, then bfloat16 and/or float16, each once; got {args.dtypes!r}")
     by_name = {case.name: case for case in CASES + EXTRA_CASES + SMALL_CASES + SMOKE_CASES}
     unknown = [name for name in args.cases.split(",") if name not in by_name]
     if unknown:

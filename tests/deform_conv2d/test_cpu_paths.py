@@ -206,13 +206,13 @@ TILED_SHAPES = {
 
 def test_the_backward_opens_a_profiler_range_for_each_pass():
     """torch.profiler's trace splits the op's time between its passes (columns_driver.cpp's DC_PASS_RANGE): each
-    of the backward's passes once per chunk, inside the op's own range."""
+    of the backward's passes once per chunk (here one), inside the op's own range."""
     case = make_case(torch.float32, batch=2, in_channels=8, out_channels=6, groups=2, offset_groups=2)
     output = case.call(ours, [t.detach().requires_grad_() for t in case.tensors()])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         output.backward(torch.ones_like(output))
     events = [e for e in prof.events() if e.name.startswith("deform_conv2d::")]
-    assert sorted({e.name for e in events}) == sorted(
+    assert sorted(e.name for e in events) == sorted(
         f"deform_conv2d::{name}" for name in ("channels_last", "fill_columns", "backward_gemms", "coordinate_grads",
                                               "input_grad", "channels_first"))
     op = next(e for e in prof.events() if e.name == "deform_conv::deform_conv2d_backward")

@@ -214,6 +214,6 @@ def test_sampling_passes_table_times_every_pass_in_each_dtype(tmp_path):
     assert names == ["channels_last", "fill_columns", "coordinate_grads", "input_grad", "channels_first",
                      "sampling passes", "backward_gemms"]
     for row in rows:
-        float32_ms, bfloat16_ms, ratio = (float(cell) for cell in row.split("|")[3:6])
-        assert float32_ms > 0 and bfloat16_ms > 0 and ratio > 0, row
+        cells = [cell.strip() for cell in row.split("|")[3:6]]
+        assert "-" not in cells and all(float(cell) >= 0 for cell in cells), row
     assert "bfloat16: native" in rows[-1] or "bfloat16: portable" in rows[-1]

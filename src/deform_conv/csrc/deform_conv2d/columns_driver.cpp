@@ -244,7 +244,7 @@ at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const
       passes.fill_columns(p, tensors, first, images, chunk_columns);
     }
     at::Tensor chunk_output = output.narrow(0, first, images);
-    DC_PASS_RANGE("deform_conv2d::forward_gemm");
+    DC_PASS_RANGE("deform_conv2d::forward_gemm");  // (with the product turned channels-first where it is not)
     if (!passes.gemm_as_convolution) {
       chunk_gemms_forward(p, chunk_columns, weight_1x1, bias, chunk_output);
     } else if (rows_gemm) {
@@ -383,3 +383,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
 }
 
 }  // namespace deform_conv
+
+#undef DC_PASS_RANGE
