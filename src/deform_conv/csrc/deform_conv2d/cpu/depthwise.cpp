@@ -278,7 +278,7 @@ void input_grad_body(const ConvParams& p, const SamplingInputs<scalar_t>& in, co
       }
     }
     write_channels_first(image_grad.data(), image_pixels, width, static_cast<const scalar_t*>(nullptr),
-                             grad_input + (n * channels + block_begin) * image_pixels, image_pixels);
+                         grad_input + (n * channels + block_begin) * image_pixels, image_pixels);
   }
 }
 DC_CPU_KERNEL(input_grad)

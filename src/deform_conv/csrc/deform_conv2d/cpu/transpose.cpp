@@ -64,8 +64,9 @@ inline void transpose_in_row_blocks(const S* src, int64_t rows, int64_t cols, in
   };
   for (int64_t i0 = 0; i0 < rows; i0 += kRows) {
     const int64_t i_end = std::min(rows, i0 + kRows);
-    int64_t j0 = 0, i_vectors = i0;  // the block's columns [0, j0) of rows [i0, i_vectors) turned in registers
+    int64_t j0 = 0, whole = 0;  // columns [0, j0) of the block's first `whole` rows are turned in registers
 #if defined(__GNUC__)
+    whole = (i_end - i0) / kBlockLanes * kBlockLanes;  // the rows that fill vectors
     const auto turn_columns = [&](int64_t rows_turned) {
       for (; j0 + kBlockLanes <= cols; j0 += kBlockLanes) {
         for (int64_t i = i0; i < i0 + rows_turned; i += kBlockLanes) {
@@ -78,21 +79,20 @@ inline void transpose_in_row_blocks(const S* src, int64_t rows, int64_t cols, in
         }
       }
     };
-    if (i_end - i0 == kRows) {
+    if (whole == kRows) {
       turn_columns(kRows);  // (a loop of constant length over the block's rows)
-    } else if (i_end - i0 >= kBlockLanes) {
-      turn_columns((i_end - i0) / kBlockLanes * kBlockLanes);
+    } else if (whole > 0) {
+      turn_columns(whole);
     }
-    if (j0 > 0) i_vectors = i0 + (i_end - i0) / kBlockLanes * kBlockLanes;
 #endif
-    turn_values(i_vectors, i_end, 0, j0);
+    turn_values(i0 + whole, i_end, 0, j0);
     turn_values(i0, i_end, j0, cols);
   }
 }
 
-// In blocks of rows of src, each block's columns turned in turn: the lines the block spans stay in the L1 cache while
-// every column reads them, and each row of dst is written as many contiguous values as the block has rows. 16 rows
-// where they lie apart in memory (src channels-first, each row a stream of its own; more rows ran slower); 128 where
+// In blocks of rows of src, each block's columns turned in turn, and each row of dst written as many contiguous
+// values at a time as the block has rows. 16 rows where they lie apart in memory (src channels-first, each row a
+// stream of its own, whose lines stay in the L1 cache while every column reads them; more rows ran slower); 128 where
 // they are one contiguous span (src channels-last, read as one stream) of more than 16 rows, so that the strided rows
 // of dst are written in runs of 128 values, not 16 (the channels-last input gradient of S1, S2, G5 and G1 turned back
 // 1.3-1.7x faster on the 2-core EPYC, in noisy runs). Runs of the library's vector width turned over in registers
