@@ -12,7 +12,9 @@ that the passes' own cost in the half type is measured on any CPU. The passes ar
 is a pass of its own over a chunk of images (the forward's tiled path fills and multiplies tile by tile, with the same
 fill loop). Each round profiles one forward+backward of every dtype, in a shuffled order; a pass's time is its
 ranges' wall time summed over the call, and the table gives the median over the rounds with the ratio to float32.
-Nothing is asserted.
+The fill's ranges record the columns they fill: a half type whose columns were not in its own type (a layer the half
+path does not take, its passes then float32's) stops the script with an error rather than give float32's times
+under the half type's name. Nothing else is asserted.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import os
 import random
 import statistics
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -46,14 +48,19 @@ def half_gemm_setting(dtype: torch.dtype) -> Optional[str]:
     return None if ": native," in path else "portable"
 
 
-def profiled_call(call, setting: Optional[str]) -> Dict[str, float]:
+# The dtype the profiler names for the columns of each dtype.
+COLUMN_TYPES = {"float32": "float", "bfloat16": "c10::BFloat16", "float16": "c10::Half"}
+
+
+def profiled_call(call, setting: Optional[str]) -> Tuple[Dict[str, float], Set[str]]:
     """The wall time (ms) of each of the backward's pass ranges in one forward+backward call, summed over its chunks
-    (a forward that takes the columns path opens ranges too, and which forwards do depends on the dtype)."""
+    (a forward that takes the columns path opens ranges too, and which forwards do depends on the dtype), and the
+    dtypes of the columns that the call's fill ranges filled."""
     saved = os.environ.get(HALF_GEMM_VARIABLE)
     if setting is not None:
         os.environ[HALF_GEMM_VARIABLE] = setting
     try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             call()
     finally:
         if setting is not None:
@@ -69,7 +76,18 @@ def profiled_call(call, setting: Optional[str]) -> Dict[str, float]:
         if event.name.startswith("deform_conv2d::") and within:
             name = event.name.split("::", 1)[1]
             times[name] = times.get(name, 0.0) + event.time_range.elapsed_us() / 1e3
-    return times
+    column_types = {event.dtypes()[0] for event in prof.profiler.kineto_results.events()
+                    if event.name() == "deform_conv2d::fill_columns" and event.dtypes()}
+    return times, column_types
+
+
+def check_columns(case: str, dtype: str, column_types: Set[str]) -> None:
+    """Raises SystemExit unless the backward filled `dtype`'s columns in `dtype` itself."""
+    if column_types != {COLUMN_TYPES[dtype]}:
+        found = ", ".join(sorted(column_types)) or "none recorded"
+        raise SystemExit(f"sampling_passes_speed: {case} in {dtype} filled columns of {found}, expected "
+                         f"{COLUMN_TYPES[dtype]}: the layer did not take the {dtype} path here, so its passes are "
+                         f"not {dtype}'s; leave it out of --cases")
 
 
 def case_rows(case: Case, dtypes: Sequence[str], rounds: int, seed: int) -> List[str]:
@@ -83,7 +101,9 @@ def case_rows(case: Case, dtypes: Sequence[str], rounds: int, seed: int) -> List
     for _ in range(rounds):
         shuffler.shuffle(order)
         for name in order:
-            samples[name].append(profiled_call(calls[name], settings[name]))
+            times, column_types = profiled_call(calls[name], settings[name])
+            check_columns(case.name, name, column_types)
+            samples[name].append(times)
 
     def median(name: str, key: str) -> Optional[float]:
         values = [sample[key] for sample in samples[name] if key in sample]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 import subprocess
@@ -217,3 +218,21 @@ def test_sampling_passes_table_times_every_pass_in_each_dtype(tmp_path):
         cells = [cell.strip() for cell in row.split("|")[3:6]]
         assert "-" not in cells and all(float(cell) >= 0 for cell in cells), row
     assert "bfloat16: native" in rows[-1] or "bfloat16: portable" in rows[-1]
+
+
+def test_sampling_passes_refuse_a_half_layer_whose_columns_are_float32():
+    """The script's check that a half type's backward filled its columns in that type: a bfloat16 call made to take
+    the float32 path (DEFORM_CONV_CPU_HALF_GEMM=float32) records float32 columns and is refused, by name; on the
+    half path (portable GEMM, any CPU) its columns are bfloat16 and pass."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "sampling_passes_speed.py"
+    spec = importlib.util.spec_from_file_location("sampling_passes_speed", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    call = timing.make_call(cases.SMOKE_CASES[0], "ours", True, dtype=torch.bfloat16)
+    times, column_types = script.profiled_call(call, "float32")
+    assert column_types == {"float"} and "fill_columns" in times
+    with pytest.raises(SystemExit, match="T1 in bfloat16 filled columns of float, expected c10::BFloat16"):
+        script.check_columns("T1", "bfloat16", column_types)
+    times, column_types = script.profiled_call(call, "portable")
+    assert column_types == {"c10::BFloat16"}
+    script.check_columns("T1", "bfloat16", column_types)
