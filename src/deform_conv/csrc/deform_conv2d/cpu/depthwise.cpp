@@ -171,6 +171,7 @@ void coordinate_and_weight_grads_body(const ConvParams& p, const SamplingInputs<
   const bool masked = in.mask != nullptr;
   const scalar_t* zeros = zero_row<scalar_t>(channels);
   std::vector<scalar_t> sampled(per_group), grad_column(per_group);
+  BlockDots<scalar_t> dots(p.taps());
   TapPoints<scalar_t> walk(p, in);
   for (int64_t block = block_begin; block < block_end; ++block) {
     scalar_t* partial = weight_partials + block * p.taps() * channels;
@@ -206,14 +207,10 @@ void coordinate_and_weight_grads_body(const ConvParams& p, const SamplingInputs<
               }
               if (points.inside[b]) corner_dots(corners, c0, per_group, static_cast<const scalar_t*>(gc), dot);
             }
-            scalar_t grad_value, grad_y, grad_x;
-            points.grads_from_dots(b, dot, grad_value, grad_y, grad_x);
-            const int64_t at = p.offset_index(n, group, tap, first + b);
-            grad_offset[at] = points.coordinate_grad(b, m, grad_y, p.border_gradient);
-            grad_offset[at + pixels] = points.coordinate_grad(b, m, grad_x, p.border_gradient);
-            if (grad_mask != nullptr) grad_mask[mask_at] = grad_value;
+            dots.set(tap, b, dot);
           }
         }
+        walk.write_coordinate_grads(n, group, first, len, dots, grad_offset, grad_mask);
       }
       row += len;
     }

@@ -162,9 +162,9 @@ void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, im
                           scalar_t* grad_mask) {
   const int64_t channels = p.in_channels, pixels = p.out_pixels(), per_group = p.in_channels_per_group();
   const int64_t row_size = p.taps() * channels, per_offset_group = p.channels_per_offset_group();
-  const bool masked = in.mask != nullptr;
   const image_t* zeros = zero_row<image_t>(channels);
   std::vector<scalar_t> gathered(per_offset_group);
+  BlockDots<scalar_t> dots(p.taps());
   BlockWalk<scalar_t> walk(p, SamplingInputs<scalar_t>{nullptr, in.offset, in.mask});
   for (int64_t row = row_begin; row < row_end;) {
     const int64_t n_local = row / pixels, first = row % pixels, n = first_image + n_local;
@@ -201,17 +201,11 @@ void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, im
               }
               corner_dots(corners, pieces_begin->channel, group_length, group_grad, dot);
             }
-            scalar_t grad_value, grad_y, grad_x;
-            points.grads_from_dots(b, dot, grad_value, grad_y, grad_x);
-            const int64_t at = p.offset_index(n, group, tap, first + b);
-            const int64_t mask_at = p.mask_index(n, group, tap, first + b);
-            const scalar_t m = masked ? in.mask[mask_at] : scalar_t(1);
-            grad_offset[at] = points.coordinate_grad(b, m, grad_y, p.border_gradient);
-            grad_offset[at + pixels] = points.coordinate_grad(b, m, grad_x, p.border_gradient);
-            if (grad_mask != nullptr) grad_mask[mask_at] = grad_value;
+            dots.set(tap, b, dot);
           }
         }
       });
+      walk.write_coordinate_grads(n, group, first, len, dots, grad_offset, grad_mask);
     }
     row += len;
   }
