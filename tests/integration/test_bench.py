@@ -201,12 +201,14 @@ def test_bench_command_writes_a_family_table(tmp_path):
     assert "| smoke | fwd |" in table and "| smoke | fwd+bwd |" in table and "torch " in table
 
 
+SAMPLING_PASSES_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sampling_passes_speed.py"
+
+
 def test_sampling_passes_table_times_every_pass_in_each_dtype(tmp_path):
     """benchmarks/sampling_passes_speed.py on the tiny case: a time for every pass in float32 and bfloat16 (the
     half path's passes on any CPU: natively or beside the portable GEMM), each row's ratio to float32."""
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "sampling_passes_speed.py"
     out = tmp_path / "passes.md"
-    result = subprocess.run([sys.executable, str(script), "--threads", "2", "--cases", "T1", "--dtypes",
+    result = subprocess.run([sys.executable, str(SAMPLING_PASSES_SCRIPT), "--threads", "2", "--cases", "T1", "--dtypes",
                              "float32,bfloat16", "--rounds", "1", "--out", str(out)],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -224,8 +226,7 @@ def test_sampling_passes_refuse_a_half_layer_whose_columns_are_float32():
     """The script's check that a half type's backward filled its columns in that type: a bfloat16 call made to take
     the float32 path (DEFORM_CONV_CPU_HALF_GEMM=float32) records float32 columns and is refused, by name; on the
     half path (portable GEMM, any CPU) its columns are bfloat16 and pass."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "sampling_passes_speed.py"
-    spec = importlib.util.spec_from_file_location("sampling_passes_speed", path)
+    spec = importlib.util.spec_from_file_location("sampling_passes_speed", SAMPLING_PASSES_SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     call = timing.make_call(cases.SMOKE_CASES[0], "ours", True, dtype=torch.bfloat16)

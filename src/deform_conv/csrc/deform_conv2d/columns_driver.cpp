@@ -67,11 +67,10 @@ const std::vector<int64_t> kOnes{1, 1}, kZeros{0, 0};
 // A range named `name` ("deform_conv2d::fill_columns", ...) in torch.profiler's trace around one pass of the op,
 // opened on the calling thread: on the CPU the pass's wall time, its threads' work included (on the GPU, the time
 // to launch it). The op's time split between its passes in any trace, and what benchmarks/sampling_passes_speed.py
-// reads; without a profiler, one check that nothing listens. DC_PASS_RANGE_OF records `tensor` as the range's input
-// (its dtype, and with record_shapes its shape): the fill's ranges name the columns, so that a trace tells which
-// path a half-type layer took (its columns in its own type, or widened to float32).
-#define DC_PASS_RANGE(name) RECORD_FUNCTION(name, std::vector<c10::IValue>())
-#define DC_PASS_RANGE_OF(name, tensor) RECORD_FUNCTION(name, std::vector<c10::IValue>({tensor}))
+// reads; without a profiler, one check that nothing listens. A tensor after the name is recorded as the range's
+// input (its dtype, and with record_shapes its shape): the fill's ranges name the columns, so that a trace tells
+// which path a half-type layer took (its columns in its own type, or widened to float32).
+#define DC_PASS_RANGE(name, ...) RECORD_FUNCTION(name, std::vector<c10::IValue>{__VA_ARGS__})
 
 // out [B, C, H, W] = channels_last [B, H, W, C] turned over (SamplingPasses::channels_first, else ATen's copy).
 void copy_channels_first(const SamplingPasses& passes, const at::Tensor& channels_last, at::Tensor& out) {
@@ -243,7 +242,7 @@ at::Tensor forward_with(const SamplingPasses& passes, const ConvParams& p, const
     const int64_t images = std::min(chunk, p.batch - first);
     at::Tensor chunk_columns = columns.narrow(0, 0, images);
     {
-      DC_PASS_RANGE_OF("deform_conv2d::fill_columns", chunk_columns);
+      DC_PASS_RANGE("deform_conv2d::fill_columns", chunk_columns);
       passes.fill_columns(p, tensors, first, images, chunk_columns);
     }
     at::Tensor chunk_output = output.narrow(0, first, images);
@@ -333,7 +332,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
       at::Tensor chunk_columns = columns.narrow(0, 0, images);
       at::Tensor chunk_grad_columns = columns_apart ? grad_columns.narrow(0, 0, images) : chunk_columns;
       {
-        DC_PASS_RANGE_OF("deform_conv2d::fill_columns", chunk_columns);
+        DC_PASS_RANGE("deform_conv2d::fill_columns", chunk_columns);
         passes.fill_columns(p, tensors, first, images, chunk_columns);
       }
       const at::Tensor chunk_grad_output = wide_grad_output.defined() ? wide_grad_output
@@ -388,4 +387,3 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
 }  // namespace deform_conv
 
 #undef DC_PASS_RANGE
-#undef DC_PASS_RANGE_OF

@@ -242,7 +242,7 @@ struct PointBlock {
     const scalar_t *__restrict d0 = dots[0], *__restrict d1 = dots[1], *__restrict d2 = dots[2];
     const scalar_t* __restrict d3 = dots[3];
     for (int64_t b = 0; b < len; ++b) {
-      const scalar_t start = nan[b] ? scalar_t(NAN) : scalar_t(0);
+      const scalar_t start = sum_start<scalar_t>(nan[b] != 0);
       const scalar_t hy = scalar_t(1) - ly[b], hx = scalar_t(1) - lx[b];
       // Corner q's weight and its derivatives along y and x, times its dot, added for q = 0, 1, 2, 3 in turn.
       const auto add = [](int32_t valid_q, scalar_t to, scalar_t factor, scalar_t dot) {
@@ -262,12 +262,12 @@ struct PointBlock {
       dy = add(valid[3][b], dy, lx[b], d3[b]);
       dx = add(valid[3][b], dx, ly[b], d3[b]);
       // A point outside the image, or with BorderGradient::mmcv one at exactly y = -1 or x = -1, has no coordinate
-      // gradient (coordinate_grad's `outside`).
+      // gradient (sampling.h's coordinate_grad).
       const int32_t lower_y = (y0[b] == -1 ? -1 : 0) & (ly[b] == scalar_t(0) ? -1 : 0);
       const int32_t lower_x = (x0[b] == -1 ? -1 : 0) & (lx[b] == scalar_t(0) ? -1 : 0);
-      const int32_t outside = (~inside[b] & ~nan[b]) | (mmcv & inside[b] & (lower_y | lower_x));
-      grad_y[b] = outside ? scalar_t(0) : m[b] * dy;
-      grad_x[b] = outside ? scalar_t(0) : m[b] * dx;
+      const bool outside = ((~inside[b] & ~nan[b]) | (mmcv & inside[b] & (lower_y | lower_x))) != 0;
+      grad_y[b] = coordinate_grad(outside, m[b], dy);
+      grad_x[b] = coordinate_grad(outside, m[b], dx);
       grad_value[b] = value;
     }
   }
