@@ -21,8 +21,16 @@ struct SamplingTensors;
 // `tile`: the CPU's tiled passes (cpu/tiled_forward.h, cpu/brgemm.h): a task's columns and product, a worker's
 // channels-last image, a tile of grad_output. `half_factors`: the half types' GEMMs' rounded and packed factors
 // (cpu/half_gemm.h). `grad_columns`: the columns' gradient where the columns are in a half type
-// (SamplingPasses::backward_column_dtype).
-enum class ScratchSlot { columns = 0, channels_last_input = 1, tile = 2, half_factors = 3, grad_columns = 4 };
+// (SamplingPasses::backward_column_dtype). `turned_image`: a worker's channels-last image for passes that keep no
+// tile beside it (cpu/thread_images.h).
+enum class ScratchSlot {
+  columns = 0,
+  channels_last_input = 1,
+  tile = 2,
+  half_factors = 3,
+  grad_columns = 4,
+  turned_image = 5
+};
 
 struct SamplingPasses {
   // The columns (see ConvParams::column_index) of images [first, first + images).

@@ -12,6 +12,7 @@
 
 #include "layout.h"
 #include "sampling_point.h"
+#include "thread_images.h"
 
 namespace deform_conv {
 namespace cpu {
@@ -89,16 +90,17 @@ void write_channels_first(const scalar_t* rows, int64_t len, int64_t channels, c
 // cache, and turned over into the output from there: turned in a pass of their own, the rows went to memory and
 // back (S4's forward, 8 images of 128 channels, 28x28, ran 5-6% slower so on a 2-core Zen 3 EPYC).
 template <typename scalar_t, typename out_t>
-void forward_rows_body(const ConvParams& p, const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
-                       const scalar_t* bias, int64_t begin, int64_t end, out_t* out) {
+void forward_rows_body(const ConvParams& p, const InputImages<scalar_t>& images, const SamplingInputs<scalar_t>& in,
+                       const scalar_t* weight_tc, const scalar_t* bias, int64_t begin, int64_t end, out_t* out) {
   const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_group = p.channels_per_offset_group();
   const scalar_t* zeros = zero_row<scalar_t>(channels);
   std::vector<scalar_t> block_rows(kPointBlock * channels);
+  TaskImages<scalar_t> task_images(images, ScratchSlot::turned_image);
   TapPoints<scalar_t> walk(p, in);
   for (int64_t row = begin; row < end;) {
     const int64_t n = row / pixels, first = row % pixels;
     const int64_t len = std::min({kPointBlock, end - row, pixels - first});
-    const scalar_t* image = in.input + n * p.height * p.width * channels;
+    const scalar_t* image = task_images.image(n);
     walk.start_block(first, len);
     for (int64_t group = 0; group < p.offset_groups; ++group) {
       walk.compute_group(n, group, first, len, corner_source(image, channels, zeros));
@@ -162,16 +164,18 @@ inline bool point_grads_in_one_pass(const Corners<scalar_t>& k, int64_t channel,
 
 // grad_offset, grad_mask and the blocks' partial weight gradients [blocks, taps, C] from grad_out [B*P, C].
 template <typename scalar_t>
-void coordinate_and_weight_grads_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
-                                      const scalar_t* weight_tc, const scalar_t* grad_out, int64_t rows_per_block,
-                                      int64_t block_begin, int64_t block_end, scalar_t* grad_offset,
-                                      scalar_t* grad_mask, scalar_t* weight_partials) {
+void coordinate_and_weight_grads_body(const ConvParams& p, const InputImages<scalar_t>& images,
+                                      const SamplingInputs<scalar_t>& in, const scalar_t* weight_tc,
+                                      const scalar_t* grad_out, int64_t rows_per_block, int64_t block_begin,
+                                      int64_t block_end, scalar_t* grad_offset, scalar_t* grad_mask,
+                                      scalar_t* weight_partials) {
   const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_group = p.channels_per_offset_group();
   const int64_t rows = p.batch * pixels;
   const bool masked = in.mask != nullptr;
   const scalar_t* zeros = zero_row<scalar_t>(channels);
   std::vector<scalar_t> sampled(per_group), grad_column(per_group);
   BlockDots<scalar_t> dots(p.taps());
+  TaskImages<scalar_t> task_images(images, ScratchSlot::turned_image);
   TapPoints<scalar_t> walk(p, in);
   for (int64_t block = block_begin; block < block_end; ++block) {
     scalar_t* partial = weight_partials + block * p.taps() * channels;
@@ -180,7 +184,7 @@ void coordinate_and_weight_grads_body(const ConvParams& p, const SamplingInputs<
     for (int64_t row = block * rows_per_block; row < rows_end;) {
       const int64_t n = row / pixels, first = row % pixels;
       const int64_t len = std::min({kPointBlock, rows_end - row, pixels - first});
-      const scalar_t* image = in.input + n * p.height * p.width * channels;
+      const scalar_t* image = task_images.image(n);
       walk.start_block(first, len);
       for (int64_t group = 0; group < p.offset_groups; ++group) {
         walk.compute_group(n, group, first, len, corner_source(image, channels, zeros));
@@ -280,10 +284,23 @@ void input_grad_body(const ConvParams& p, const SamplingInputs<scalar_t>& in, co
 }
 DC_CPU_KERNEL(input_grad)
 
+// The offsets and the mask; the passes read the input through InputImages.
 template <typename scalar_t>
-SamplingInputs<scalar_t> pointers(const at::Tensor& input_cl, const at::Tensor& offset, const at::Tensor& mask) {
-  return {input_cl.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
-          mask.defined() ? mask.const_data_ptr<scalar_t>() : nullptr};
+SamplingInputs<scalar_t> pointers(const at::Tensor& offset, const at::Tensor& mask) {
+  return {nullptr, offset.const_data_ptr<scalar_t>(), mask.defined() ? mask.const_data_ptr<scalar_t>() : nullptr};
+}
+
+// The input channels-last in the compute type, turned whole now; undefined where the passes' threads turn it image
+// by image instead (thread_images.h; float32 passes only).
+at::Tensor input_turned_up_front(const at::Tensor& input, at::ScalarType compute) {
+  if (compute == at::kFloat && turns_per_thread(input, sizeof(float))) return at::Tensor();
+  return in_channels_last(input, compute);
+}
+
+template <typename scalar_t>
+InputImages<scalar_t> input_images(const at::Tensor& input, const at::Tensor& input_cl) {
+  return input_cl.defined() ? InputImages<scalar_t>::turned_up_front(input_cl)
+                            : InputImages<scalar_t>::turned_per_thread(input);
 }
 
 // The type the passes compute in: float32 for the half types, whose tensors are widened as they are turned
@@ -317,17 +334,18 @@ at::Tensor depthwise_forward(const ConvParams& p, const at::Tensor& input, const
   at::Tensor output = input.new_empty({p.batch, p.out_channels, p.out_h, p.out_w});
   if (output.numel() == 0) return output;
   const at::ScalarType compute = compute_type(input);
-  const at::Tensor input_cl = in_channels_last(input, compute);
+  const at::Tensor input_cl = input_turned_up_front(input, compute);
   const at::Tensor offset_c = contiguous_in(offset, compute);
   const at::Tensor mask_c = mask.has_value() ? contiguous_in(*mask, compute) : at::Tensor();
   const at::Tensor weight_tc = weight_by_tap(p, weight, compute);
   const at::Tensor bias_c = bias.has_value() ? bias->to(compute).contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES(compute, "deform_conv2d_depthwise_cpu", [&] {
-    const SamplingInputs<scalar_t> in = pointers<scalar_t>(input_cl, offset_c, mask_c);
+    const InputImages<scalar_t> images = input_images<scalar_t>(input, input_cl);
+    const SamplingInputs<scalar_t> in = pointers<scalar_t>(offset_c, mask_c);
     with_output_type<scalar_t>(output.scalar_type(), [&](auto out_type) {
       using out_t = decltype(out_type);
       at::parallel_for(0, p.batch * p.out_pixels(), kRowsPerTask, [&](int64_t begin, int64_t end) {
-        forward_rows<scalar_t>(p, in, weight_tc.const_data_ptr<scalar_t>(),
+        forward_rows<scalar_t>(p, images, in, weight_tc.const_data_ptr<scalar_t>(),
                                bias_c.defined() ? bias_c.const_data_ptr<scalar_t>() : nullptr, begin, end,
                                output.mutable_data_ptr<out_t>());
       });
@@ -354,7 +372,7 @@ depthwise_backward(const ConvParams& p, const at::Tensor& grad_output, const at:
   if (bias_defined) grad_bias = grad_out_cl.sum({0, 2, 3}).to(input.scalar_type());
   const int64_t rows = p.batch * p.out_pixels();
   if (rows > 0) {
-    const at::Tensor input_cl = in_channels_last(input, compute);
+    const at::Tensor input_cl = input_turned_up_front(input, compute);
     const at::Tensor offset_c = contiguous_in(offset, compute);
     const at::Tensor mask_c = mask.has_value() ? contiguous_in(*mask, compute) : at::Tensor();
     const at::Tensor weight_tc = weight_by_tap(p, weight, compute);
@@ -363,9 +381,10 @@ depthwise_backward(const ConvParams& p, const at::Tensor& grad_output, const at:
     at::Tensor weight_partials =
         weight.new_empty({(rows + rows_per_block - 1) / rows_per_block, p.taps(), p.in_channels}, options);
     AT_DISPATCH_FLOATING_TYPES(compute, "deform_conv2d_depthwise_backward_cpu", [&] {
-      const SamplingInputs<scalar_t> in = pointers<scalar_t>(input_cl, offset_c, mask_c);
+      const InputImages<scalar_t> images = input_images<scalar_t>(input, input_cl);
+      const SamplingInputs<scalar_t> in = pointers<scalar_t>(offset_c, mask_c);
       at::parallel_for(0, weight_partials.size(0), 1, [&](int64_t begin, int64_t end) {
-        coordinate_and_weight_grads<scalar_t>(p, in, weight_tc.const_data_ptr<scalar_t>(),
+        coordinate_and_weight_grads<scalar_t>(p, images, in, weight_tc.const_data_ptr<scalar_t>(),
                                               grad_out_cl.const_data_ptr<scalar_t>(), rows_per_block, begin, end,
                                               grad_offset.mutable_data_ptr<scalar_t>(),
                                               grad_mask.defined() ? grad_mask.mutable_data_ptr<scalar_t>() : nullptr,

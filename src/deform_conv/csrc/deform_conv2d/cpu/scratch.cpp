@@ -43,7 +43,7 @@ struct KeptBuffer {
   }
 };
 
-constexpr int kSlots = 5;
+constexpr int kSlots = 6;
 
 }  // namespace
 

@@ -16,6 +16,7 @@
 #include "layout.h"
 #include "sampling_passes.h"
 #include "scratch.h"
+#include "thread_images.h"
 #include "transpose.h"
 
 namespace deform_conv {
@@ -36,9 +37,6 @@ constexpr int64_t kMinTilePixels = 32;
 // 14x14, 2 images, bfloat16 on the Xeon (2 threads): 2.10 ms on the driver's path, 1.60 ms so (with the weight
 // packed by one transpose, half_gemm.h); tiles of 128 or 512 pixels were slower on 4 shapes of 5.
 constexpr int64_t kMinLargeLayerTilePixels = 256;
-// A thread turns the images it works on to channels-last itself when they are at most this large; it keeps the
-// buffer (scratch.h), so the bound is per worker thread.
-constexpr int64_t kMaxTurnedImageBytes = int64_t(4) << 20;
 
 bool is_half_type(at::ScalarType dtype) { return dtype == at::kBFloat16 || dtype == at::kHalf; }
 
@@ -109,14 +107,6 @@ at::Tensor input_channels_last(const at::Tensor& input, at::ScalarType dtype) {
   return in_channels_last(input, dtype, [](at::IntArrayRef sizes, const at::TensorOptions& options) {
     return scratch(ScratchSlot::channels_last_input, sizes, options);
   });
-}
-
-// Image n, channels-first [C_in, H*W] of image_t, into `turned`, channels-last [H*W, C_in] of scalar_t: the same
-// type, or a half type widened to float32 as it is turned.
-template <typename scalar_t, typename image_t>
-void turn_image(const ConvParams& p, const image_t* image, scalar_t* turned) {
-  const int64_t plane = p.height * p.width;
-  transpose(image, p.in_channels, plane, plane, turned, p.in_channels);
 }
 
 // The weight [C_out, C_in/G, kh, kw] as the GEMMs read it: for each group, its output channels in panels of
@@ -247,11 +237,9 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
   const int64_t column_floats = column_floats_per_pixel(p, kColumnType) * tiles.pixels;
   const int64_t tile_floats = p.out_channels * tiles.pixels + column_floats;
 
-  // Each thread turns the images it works on to channels-last itself, into a buffer that stays in its cache
-  // (an image whose tiles two threads share is turned by both). That pays where most images are one thread's
-  // alone; otherwise the input is turned once, up front, by all threads.
-  const bool turn_per_thread = input.is_contiguous() && p.batch >= at::get_num_threads() &&
-                               image_size * int64_t(sizeof(scalar_t)) <= kMaxTurnedImageBytes;
+  // Each thread turns the images it works on to channels-last itself, into the scratch memory beside its tile
+  // (thread_images.h), or the input is turned once, up front, by all threads.
+  const bool turn_per_thread = turns_per_thread(input, sizeof(scalar_t));
   const int64_t turn_floats = turn_per_thread ? ceil_div(image_size * int64_t(sizeof(scalar_t)), sizeof(float)) : 0;
   const at::Tensor input_c = turn_per_thread ? input : input_channels_last(input, kColumnType);
   // The sampling reads float32 offsets and masks (a few values per pixel, widened up front for the half types).
@@ -276,7 +264,7 @@ at::Tensor tiled_forward_in(const ConvParams& p, const at::Tensor& input, const 
       const int64_t n = task / tiles.tiles, first = task % tiles.tiles * tiles.pixels;
       const int64_t len = std::min(tiles.pixels, pixels - first);
       if (turn_per_thread && n != turned_image) {
-        turn_image(p, input_c.const_data_ptr<image_t>() + n * image_size, turned);
+        turn_image(input_c.const_data_ptr<image_t>(), n, p.in_channels, plane, turned);
         turned_image = n;
       }
       // Image n alone, as image 0.
