@@ -25,47 +25,63 @@ constexpr int64_t kMaxWeightBlocks = 256;
 
 // out[c] = sum over the taps t of weight[t * weight_stride + c] * the value of taps[t]'s point b in channel
 // `channel` + c (corner_value, times mask[t * mask_stride] where there is a mask), c < len, summed tap after tap
-// from 0. A block of channels keeps its sums in registers through the taps, four vectors of them where the
-// channels fill four: the registers hold them beside a tap's corners and weights.
+// from 0. A block of channels keeps its sums in registers through the taps, up to six vectors of them beside a tap's
+// corner weights, mask and weights (sixteen AVX2 registers hold them): every block goes through the taps once, so
+// blocks as wide as the channels allow (96 channels of AVX2 vectors in two blocks of six, not three of four; 64 in
+// two of four, not six and two single vectors). Each loop is compiled with a mask and without one, so that no
+// vector waits on the mask's test. (S4, H6, H7's forwards 5-15% faster so, by minimum, on the 2-core Zen 3 EPYC.)
 template <typename scalar_t>
 inline void sum_of_taps(const PointBlock<scalar_t>* taps, int64_t tap_count, int64_t b, int64_t channel,
                         const scalar_t* mask, int64_t mask_stride, const scalar_t* weight, int64_t weight_stride,
                         int64_t len, scalar_t* __restrict__ out) {
-  // Channels [c, c + vectors * the lanes of V): V a vector of floats or a scalar.
-  const auto sum_block = [&](const auto vectors, const auto& tag, int64_t c) {
-    constexpr int kVectors = decltype(vectors)::value;
-    using V = std::decay_t<decltype(tag)>;
-    constexpr int64_t kLanes = sizeof(V) / sizeof(scalar_t);
-    V sum[kVectors];
-    for (int k = 0; k < kVectors; ++k) sum[k] = V{};
-    for (int64_t tap = 0; tap < tap_count; ++tap) {
-      const Corners<scalar_t> corner = taps[tap].template corners<scalar_t>(b);
-      const scalar_t m = mask != nullptr ? mask[tap * mask_stride] : scalar_t(1);
-      const scalar_t* w = weight + tap * weight_stride + c;
-      for (int k = 0; k < kVectors; ++k) {
-        V v0, v1, v2, v3, wk;
-        std::memcpy(&v0, corner.pixel[0] + channel + c + k * kLanes, sizeof(V));
-        std::memcpy(&v1, corner.pixel[1] + channel + c + k * kLanes, sizeof(V));
-        std::memcpy(&v2, corner.pixel[2] + channel + c + k * kLanes, sizeof(V));
-        std::memcpy(&v3, corner.pixel[3] + channel + c + k * kLanes, sizeof(V));
-        std::memcpy(&wk, w + k * kLanes, sizeof(V));
-        sum[k] = sum[k] + wk * corner_value(corner, v0, v1, v2, v3, mask != nullptr, m);
+  const auto with_mask = [&](const auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
+    // Channels [c, c + vectors * the lanes of V): V a vector of floats or a scalar.
+    const auto sum_block = [&](const auto vectors, const auto& tag, int64_t c) {
+      constexpr int kVectors = decltype(vectors)::value;
+      using V = std::decay_t<decltype(tag)>;
+      constexpr int64_t kLanes = sizeof(V) / sizeof(scalar_t);
+      V sum[kVectors];
+      for (int k = 0; k < kVectors; ++k) sum[k] = V{};
+      for (int64_t tap = 0; tap < tap_count; ++tap) {
+        const Corners<scalar_t> corner = taps[tap].template corners<scalar_t>(b);
+        const scalar_t m = kMasked ? mask[tap * mask_stride] : scalar_t(1);
+        const scalar_t* w = weight + tap * weight_stride + c;
+#pragma GCC unroll 8
+        for (int k = 0; k < kVectors; ++k) {
+          V v0, v1, v2, v3, wk;
+          std::memcpy(&v0, corner.pixel[0] + channel + c + k * kLanes, sizeof(V));
+          std::memcpy(&v1, corner.pixel[1] + channel + c + k * kLanes, sizeof(V));
+          std::memcpy(&v2, corner.pixel[2] + channel + c + k * kLanes, sizeof(V));
+          std::memcpy(&v3, corner.pixel[3] + channel + c + k * kLanes, sizeof(V));
+          std::memcpy(&wk, w + k * kLanes, sizeof(V));
+          sum[k] = sum[k] + wk * corner_value(corner, v0, v1, v2, v3, kMasked, m);
+        }
       }
-    }
-    for (int k = 0; k < kVectors; ++k) std::memcpy(out + c + k * kLanes, &sum[k], sizeof(V));
-  };
+      for (int k = 0; k < kVectors; ++k) std::memcpy(out + c + k * kLanes, &sum[k], sizeof(V));
+    };
 #if defined(__GNUC__)
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    constexpr int64_t kBlock = 4 * kBlockLanes;
-    int64_t c = 0;
-    for (; c + kBlock <= len; c += kBlock) sum_block(std::integral_constant<int, 4>{}, BlockLanes{}, c);
-    for_float_blocks(len - c, [&, c](const auto& tag, int64_t block) {
-      sum_block(std::integral_constant<int, 1>{}, tag, c + block);
-    });
-    return;
-  }
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      constexpr int64_t kSix = 6 * kBlockLanes, kFour = 4 * kBlockLanes, kTwo = 2 * kBlockLanes;
+      int64_t c = 0;
+      for (; c + kSix <= len && len - c != 2 * kFour; c += kSix) {
+        sum_block(std::integral_constant<int, 6>{}, BlockLanes{}, c);
+      }
+      for (; c + kFour <= len; c += kFour) sum_block(std::integral_constant<int, 4>{}, BlockLanes{}, c);
+      for (; c + kTwo <= len; c += kTwo) sum_block(std::integral_constant<int, 2>{}, BlockLanes{}, c);
+      for_float_blocks(len - c, [&, c](const auto& tag, int64_t block) {
+        sum_block(std::integral_constant<int, 1>{}, tag, c + block);
+      });
+      return;
+    }
 #endif
-  for (int64_t c = 0; c < len; ++c) sum_block(std::integral_constant<int, 1>{}, scalar_t{}, c);
+    for (int64_t c = 0; c < len; ++c) sum_block(std::integral_constant<int, 1>{}, scalar_t{}, c);
+  };
+  if (mask != nullptr) {
+    with_mask(std::true_type{});
+  } else {
+    with_mask(std::false_type{});
+  }
 }
 
 // rows [len, C] (+ add[c]) into the channels-first image `out` [C, pixels], from its pixel 0: layout.h's
