@@ -83,13 +83,14 @@ def test_depthwise_path(dtype, with_mask, offset_groups):
 
 
 @pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no_mask"])
-@pytest.mark.parametrize("per_offset_group", [16, 24, 48, 72])
+@pytest.mark.parametrize("per_offset_group", [16, 24, 48, 72, 64, 96, 128])
 def test_depthwise_channel_widths(dtype, per_offset_group, with_mask):
-    """The depthwise forward sums blocks of 4 vectors of channels in registers, then single vectors, then the last
-    channels one by one (24 = 16 + 8, 48 and 72 a block of 32 or 64 and the rest, whatever the vector width); its
-    backward takes the channels of an offset group in one pass where they come in runs of 16 (16, 48), three
-    passes otherwise (24, 72). Two offset groups, the awkward geometry's kernel, stride and dilation, offsets
-    across the border."""
+    """The depthwise forward sums blocks of 6, 4 and 2 vectors of channels in registers, then single vectors, then the
+    last channels one by one (8 floats a vector for AVX2: 24 a block of two and a vector, 48 a block of six, 72 six,
+    two and one, 64 two blocks of four rather than six and two, 96 two of six, 128 six, six and four; 16 floats for
+    AVX-512: 64 one block of four, 96 one of six, 128 two of four); its backward takes the channels of an offset group
+    in one pass where they come in runs of 16 (all but 24 and 72), three passes otherwise. Two offset groups, the
+    awkward geometry's kernel, stride and dilation, offsets across the border."""
     channels = 2 * per_offset_group
     case = make_case(dtype, batch=2, in_channels=channels, out_channels=channels, groups=channels, offset_groups=2,
                      size=(9, 7), with_mask=with_mask)

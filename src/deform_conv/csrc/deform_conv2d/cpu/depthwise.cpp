@@ -28,9 +28,9 @@ constexpr int64_t kMaxWeightBlocks = 256;
 // from 0. A block of channels keeps its sums in registers through the taps, up to six vectors of them beside a tap's
 // corner weights, mask and weights (sixteen AVX2 registers hold them): every block goes through the taps once, so
 // blocks as wide as the channels allow (96 channels of AVX2 vectors in two blocks of six, not three of four; 64 in
-// two of four, not six and two single vectors). Each loop is compiled with a mask and without one, so that no
-// vector waits on the mask's test. (S4, H6, H7's forwards 5-17% faster so by minimum, 5-11% by median, on the
-// 2-core Zen 3 EPYC.)
+// two of four: a block of six and single vectors ran no faster on H6). Each loop is compiled with a mask and without
+// one, so that no vector waits on the mask's test. (S4, H6, H7's forwards 5-17% faster so by minimum, 5-11% by
+// median, on the 2-core Zen 3 EPYC.)
 template <typename scalar_t>
 inline void sum_of_taps(const PointBlock<scalar_t>* taps, int64_t tap_count, int64_t b, int64_t channel,
                         const scalar_t* mask, int64_t mask_stride, const scalar_t* weight, int64_t weight_stride,
@@ -105,8 +105,8 @@ void write_channels_first(const scalar_t* rows, int64_t len, int64_t channels, c
 // The depthwise forward sums its rows channels-last in a buffer of this many rows, which stays in the cache, and turns
 // them over into the output from there: turned in a pass of their own, the rows went to memory and back (S4's
 // forward, 8 images of 128 channels, 28x28, ran 5-6% slower so on a 2-core Zen 3 EPYC); turned 16 rows at a time,
-// each channel's row of the output was written 64 bytes at a time, not 256 (S4, H6 and H7's forwards ran 0-5% slower
-// by minimum and 2-9% by median so, on 1 and 2 threads, same machine).
+// each channel's row of a float32 output was written 64 bytes at a time, not 256 (S4, H6 and H7's forwards ran 0-6%
+// slower by minimum and 2-10% by median so, on 1 and 2 threads, same machine).
 constexpr int64_t kRowsPerWrite = 4 * kPointBlock;
 
 // out[n, c, pixel] = sum over taps of weight[tap, c] * mask * bilinear(input[n, ..., c]) (+ bias[c]) for rows

@@ -22,8 +22,8 @@ namespace cpu {
 constexpr int64_t kMaxTurnedImageBytes = int64_t(4) << 20;
 
 // Whether each thread turns the images its tasks read itself, rather than the input be turned whole up front: where
-// `input` [B, C, H, W] is contiguous (and not channels-last already), has as many images as threads (most images are
-// then one thread's alone: an image whose tasks two threads share is turned by both), and an image of it in
+// `input` [B, C, H, W] is contiguous (and not channels-last already), has at least as many images as threads (most
+// images are then one thread's alone: an image whose tasks two threads share is turned by both), and an image of it in
 // `element_bytes`-byte values is at most kMaxTurnedImageBytes.
 inline bool turns_per_thread(const at::Tensor& input, int64_t element_bytes) {
   const int64_t image_size = input.size(1) * input.size(2) * input.size(3);
@@ -65,6 +65,7 @@ class TaskImages {
  public:
   TaskImages(const InputImages<scalar_t>& images, ScratchSlot slot) : images_(images) {
     if (images.whole == nullptr) {
+      TORCH_INTERNAL_ASSERT((std::is_same_v<scalar_t, float>), "deform_conv: only float32 passes turn images");
       buffer_ = static_cast<scalar_t*>(
           scratch_bytes(slot, images.channels * images.pixels * static_cast<int64_t>(sizeof(scalar_t))));
     }
@@ -83,8 +84,11 @@ class TaskImages {
           case at::kHalf:
             turn_image(static_cast<const c10::Half*>(from), n, channels, pixels, buffer_);
             break;
-          default:
+          case at::kFloat:
             turn_image(static_cast<const float*>(from), n, channels, pixels, buffer_);
+            break;
+          default:
+            TORCH_INTERNAL_ASSERT(false, "deform_conv: no per-thread turn of a ", images_.dtype, " image");
         }
         turned_ = n;
       }
