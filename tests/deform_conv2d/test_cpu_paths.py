@@ -11,7 +11,7 @@ import pytest
 import torch
 import torchvision
 
-from helpers.deform_conv2d import assert_all_close, make_case, output_and_grads
+from helpers.deform_conv2d import assert_all_close, half_gemm_path, make_case, output_and_grads
 
 import deform_conv
 
@@ -127,6 +127,40 @@ def test_depthwise_images_turned_per_thread_or_up_front_alike(dtype_):
             assert torch.equal(got[n:n + 1], expected), (n, name)
 
 
+@pytest.mark.parametrize("dtype_", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_tiled_backward_and_the_driver_passes_alike(dtype_):
+    """The tiled backward (cpu/tiled_backward.h) against the driver's GEMMs and passes, which it replaces where a
+    chunk has an image per thread. On two threads, four images of 8.6 MB of float32 columns each go in chunks of two
+    (the tiled backward, the second chunk's from image 2 on, each image's 14,400 pixels in tiles of 128); one image
+    alone takes the driver's. Each image's output and its input, offset and mask gradients are the same bits either
+    way: the columns' gradient tile by tile, the coordinates' gradient point by point, and the input's summed in the
+    same order. Weight groups and offset groups that do not nest; bfloat16 on the half path (its portable GEMM where
+    the CPU has no native one)."""
+    case = make_case(dtype_, batch=4, in_channels=6, out_channels=4, size=(120, 120), kernel=(5, 5),
+                     stride=(1, 1), padding=(2, 2), dilation=(1, 1), groups=2, offset_groups=3)
+    shape = case.call(ours, case.tensors()).shape
+    grad_output = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype_)
+
+    def per_image(images):  # output, grad_input, grad_offset, grad_mask of images [first, last)
+        leaves = [t[images].detach().clone().requires_grad_() for t in (case.input, case.offset, case.mask)]
+        x, offset, mask = leaves
+        out = ours(x, offset, case.weight, case.bias, case.stride, case.padding, case.dilation, mask)
+        return [out.detach(), *torch.autograd.grad(out, leaves, grad_output[images])]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        native = dtype_ == torch.float32 or torch.ops.deform_conv.cpu_half_path(dtype_).startswith("bfloat16: native,")
+        with half_gemm_path("auto" if native else "portable"):
+            together = per_image(slice(0, 4))
+            alone = [per_image(slice(n, n + 1)) for n in range(4)]
+    finally:
+        torch.set_num_threads(threads)
+    for n, results in enumerate(alone):
+        for name, got, expected in zip(["output", "input", "offset", "mask"], together, results):
+            assert torch.equal(got[n:n + 1], expected), (n, name)
+
+
 def test_depthwise_with_channels_last_and_strided_inputs():
     case = make_case(torch.float64, batch=3, in_channels=6, out_channels=6, groups=6, offset_groups=2)
     strided = [case.input.contiguous(memory_format=torch.channels_last), case.offset.transpose(2, 3).contiguous()
@@ -233,17 +267,27 @@ TILED_SHAPES = {
 }
 
 
-def test_the_backward_opens_a_profiler_range_for_each_pass():
+@pytest.mark.parametrize("threads, passes", [
+    (2, ("backward_gemms", "coordinate_grads", "input_grad")),
+    (1, ("tiled_backward",)),
+], ids=["driver", "tiled"])
+def test_the_backward_opens_a_profiler_range_for_each_pass(threads, passes):
     """torch.profiler's trace splits the op's time between its passes (columns_driver.cpp's DC_PASS_RANGE): each
-    of the backward's passes once per chunk (here one), inside the op's own range."""
-    case = make_case(torch.float32, batch=2, in_channels=8, out_channels=6, groups=2, offset_groups=2)
+    of the backward's passes once per chunk (here one), inside the op's own range. One image on two threads takes
+    the driver's GEMMs and passes; on one thread, the tiled backward (cpu/tiled_backward.h), one range for all
+    three."""
+    case = make_case(torch.float32, batch=1, in_channels=8, out_channels=6, groups=2, offset_groups=2)
     output = case.call(ours, [t.detach().requires_grad_() for t in case.tensors()])
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        output.backward(torch.ones_like(output))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            output.backward(torch.ones_like(output))
+    finally:
+        torch.set_num_threads(before)
     events = [e for e in prof.events() if e.name.startswith("deform_conv2d::")]
     assert sorted(e.name for e in events) == sorted(
-        f"deform_conv2d::{name}" for name in ("channels_last", "fill_columns", "backward_gemms", "coordinate_grads",
-                                              "input_grad", "channels_first"))
+        f"deform_conv2d::{name}" for name in ("channels_last", "fill_columns", *passes, "channels_first"))
     op = next(e for e in prof.events() if e.name == "deform_conv::deform_conv2d_backward")
     for event in events:
         assert op.time_range.start <= event.time_range.start <= event.time_range.end <= op.time_range.end, event.name
@@ -425,8 +469,6 @@ def test_the_weight_is_turned_to_the_columns_order_bit_for_bit(dtype, out_channe
     (the backward, and forwards whose tiles would be too small: 512 channels) a weight in another layout takes
     ATen's copy instead. Both give the same forward and backward, bit for bit (the half types on their native path,
     here with DEFORM_CONV_CPU_HALF_GEMM=portable)."""
-    from helpers.deform_conv2d import half_gemm_path
-
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, in_channels, 6, 7, generator=g).to(dtype)
     offset = torch.randn(2, 2 * kernel * kernel, 6, 7, generator=g).to(dtype)

@@ -324,17 +324,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>, std::o
     const int64_t buffer_images = std::min(chunk, p.batch);
     const at::TensorOptions column_options = input.options().dtype(column_dtype);
     at::Tensor columns = column_buffer(passes, p, buffer_images, column_options);
-    at::Tensor grad_columns =
-        columns_apart ? column_buffer(passes, p, buffer_images, grad_column_options, ScratchSlot::grad_columns)
-                      : at::Tensor();
+    at::Tensor grad_columns;  // where they are apart: allocated for the first chunk that needs it
     for (int64_t first = 0; first < p.batch; first += chunk) {
       const int64_t images = std::min(chunk, p.batch - first);
       at::Tensor chunk_columns = columns.narrow(0, 0, images);
-      at::Tensor chunk_grad_columns = columns_apart ? grad_columns.narrow(0, 0, images) : chunk_columns;
       {
         DC_PASS_RANGE("deform_conv2d::fill_columns", chunk_columns);
         passes.fill_columns(p, tensors, first, images, chunk_columns);
       }
+      if (passes.tiled_backward != nullptr &&  // (which opens its own range, "deform_conv2d::tiled_backward")
+          passes.tiled_backward(p, tensors, grad_output, first, images, weight_matrix, chunk_columns, grad_weights,
+                                grad_offset, grad_mask, grad_input)) {
+        continue;
+      }
+      if (columns_apart && !grad_columns.defined()) {
+        grad_columns = column_buffer(passes, p, buffer_images, grad_column_options, ScratchSlot::grad_columns);
+      }
+      at::Tensor chunk_grad_columns = columns_apart ? grad_columns.narrow(0, 0, images) : chunk_columns;
       const at::Tensor chunk_grad_output = wide_grad_output.defined() ? wide_grad_output
                                            : half_in_float32 ? grad_output.narrow(0, first, images).to(acc_type)
                                                              : grad_output;

@@ -83,6 +83,14 @@ struct SamplingPasses {
   // `dtype` (its own, or float32 from a half type), or an undefined tensor to leave it to ATen's copy of the
   // permuted weight; nullptr: always ATen's.
   at::Tensor (*weight_in_column_order)(const at::Tensor& weight, at::ScalarType dtype) = nullptr;
+  // The rest of the backward of images [first, first + images) once their columns are filled, in one pass of the
+  // backend's own: grad_weights += the images' weight gradient, and their grad_offset, grad_mask (undefined without
+  // a mask) and grad_input from the columns' gradient, kept in cache a tile at a time (cpu/tiled_backward.h).
+  // Returns false, doing nothing, to leave them to backward_gemms and the two passes; nullptr: always.
+  bool (*tiled_backward)(const ConvParams&, const SamplingTensors&, const at::Tensor& grad_output, int64_t first,
+                         int64_t images, const at::Tensor& weight_matrix, const at::Tensor& columns,
+                         at::Tensor& grad_weights, at::Tensor& grad_offset, at::Tensor& grad_mask,
+                         at::Tensor& grad_input) = nullptr;
 };
 
 // The tensors the passes read, in the layout they expect: input channels-last [B, H, W, C_in] in memory, in

@@ -26,9 +26,6 @@ constexpr int64_t kMaxWeightRowBlock = 256;
 constexpr int64_t kMinWeightRowBlock = 32;
 constexpr int64_t kWeightPanel = 64;
 
-// The columns-gradient GEMM's tasks: tiles of this many pixels.
-constexpr int64_t kPixelTile = 128;
-
 void gemm_block(int64_t m, int64_t n, int64_t k, const float* a, int64_t ld_a, const float* b, int64_t ld_b, float* c,
                 int64_t ld_c, bool accumulate) {
 #ifdef CPUBLAS_BRGEMM_F32F32F32
@@ -99,22 +96,18 @@ struct WeightGradientTasks {
   }
 };
 
-// The backward's two GEMMs, in tasks that each own their results, with `multiply(m, n, k, a, ld_a, b, ld_b, c,
-// ld_c, accumulate)` (float32 operands and sums, on the calling thread) and `release()` at the end of each
-// thread's run.
-template <typename Multiply, typename Release>
-void backward_gemms_in_tasks(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
-                             const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights,
-                             const Multiply& multiply, const Release& release) {
-  const at::Tensor grad_out_c = grad_output.narrow(0, first, images).contiguous();  // [images, C_out, pixels]
-  const at::Tensor weight_c = weight_matrix.contiguous();                           // [C_out, taps * C_in/G]
-  const float* grad_out = grad_out_c.const_data_ptr<float>();
-  const float* weight = weight_c.const_data_ptr<float>();
-  float* cols = columns.mutable_data_ptr<float>();      // [images, pixels, groups, taps * C_in/G]
-  float* grad_w = grad_weights.mutable_data_ptr<float>();  // [C_out, taps * C_in/G]
-  const int64_t pixels = p.out_pixels(), row = p.taps() * p.in_channels;
-  const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
+}  // namespace
 
+FloatBackwardFactors::FloatBackwardFactors(const ConvParams& p, const at::Tensor& grad_output, int64_t first,
+                                           int64_t images, const at::Tensor& weight_matrix)
+    : turned_per_pixel(p.out_channels), grad_out(grad_output.narrow(0, first, images).contiguous()),
+      weight(weight_matrix.contiguous()) {}
+
+void FloatBackwardFactors::add_weight_gradient(const ConvParams& p, int64_t images, const float* columns,
+                                               float* grad_weights) const {
+  const int64_t pixels = p.out_pixels(), row = p.taps() * p.in_channels;
+  const int64_t per_group = p.taps() * p.in_channels_per_group();
+  const float* grad = grad_out.const_data_ptr<float>();
   // grad_weights[c, k] += sum over images n and pixels of grad_output[n, c, pixel] * columns[n, pixel, g, k],
   // for output channel c of group g. Each task owns a block of rows and a panel of columns of grad_weights.
   const WeightGradientTasks tasks(p);
@@ -122,80 +115,99 @@ void backward_gemms_in_tasks(const ConvParams& p, const at::Tensor& grad_output,
     for (int64_t task = begin; task < end; ++task) {
       const auto [g, c0, rows, k0, width] = tasks.task(task);
       for (int64_t n = 0; n < images; ++n) {
-        multiply(rows, width, pixels, grad_out + (n * p.out_channels + c0) * pixels, pixels,
-                 cols + n * pixels * row + g * per_group + k0, row, grad_w + c0 * per_group + k0, per_group,
-                 /*accumulate=*/true);
+        gemm_on_this_thread(rows, width, pixels, grad + (n * p.out_channels + c0) * pixels, pixels,
+                            columns + n * pixels * row + g * per_group + k0, row, grad_weights + c0 * per_group + k0,
+                            per_group, /*accumulate=*/true);
       }
     }
-    release();
-  });
-
-  // columns[n, pixel, g, :] = sum over output channels c of group g of grad_output[n, c, pixel] * weight[c, :].
-  // Each task owns a tile of pixels of one image, whose grad_output it first turns to [pixel, C_out].
-  const int64_t tiles = ceil_div(pixels, kPixelTile);
-  at::parallel_for(0, images * tiles, 1, [&](int64_t begin, int64_t end) {
-    const int64_t turned_bytes = kPixelTile * p.out_channels * int64_t(sizeof(float));
-    float* turned = static_cast<float*>(scratch_bytes(ScratchSlot::tile, turned_bytes));  // [pixel, C_out]
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / tiles, first_pixel = task % tiles * kPixelTile;
-      const int64_t len = std::min(kPixelTile, pixels - first_pixel);
-      transpose(grad_out + n * p.out_channels * pixels + first_pixel, p.out_channels, len, pixels, turned,
-                p.out_channels);
-      for (int64_t g = 0; g < p.groups; ++g) {
-        multiply(len, per_group, out_per_group, turned + g * out_per_group, p.out_channels,
-                 weight + g * out_per_group * per_group, per_group,
-                 cols + (n * pixels + first_pixel) * row + g * per_group, row, /*accumulate=*/false);
-      }
-    }
-    release();
+    release_gemm_context();
   });
 }
 
-// The tile of grad_output must fit in scratch memory: up to 65536 output channels.
+void FloatBackwardFactors::column_gradient_tile(const ConvParams& p, int64_t n, int64_t first_pixel, int64_t len,
+                                                float* turned, float* grad_columns, int64_t ld) const {
+  const int64_t pixels = p.out_pixels(), per_group = p.taps() * p.in_channels_per_group();
+  const int64_t out_per_group = p.out_channels_per_group();
+  transpose(grad_out.const_data_ptr<float>() + n * p.out_channels * pixels + first_pixel, p.out_channels, len, pixels,
+            turned, p.out_channels);
+  for (int64_t g = 0; g < p.groups; ++g) {
+    gemm_on_this_thread(len, per_group, out_per_group, turned + g * out_per_group, p.out_channels,
+                        weight.const_data_ptr<float>() + g * out_per_group * per_group, per_group,
+                        grad_columns + g * per_group, ld, /*accumulate=*/false);
+  }
+}
+
+namespace {
+
+// The backward's two GEMMs, in tasks that each own their results: the weight's gradient, then the columns'
+// gradient over the columns, each task a tile of kPixelTile pixels of one image.
+void backward_gemms_in_tasks(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
+                             const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights) {
+  const FloatBackwardFactors factors(p, grad_output, first, images, weight_matrix);
+  float* cols = columns.mutable_data_ptr<float>();  // [images, pixels, groups, taps * C_in/G]
+  factors.add_weight_gradient(p, images, cols, grad_weights.mutable_data_ptr<float>());
+  const int64_t pixels = p.out_pixels(), row = p.taps() * p.in_channels, tiles = ceil_div(pixels, kPixelTile);
+  at::parallel_for(0, images * tiles, 1, [&](int64_t begin, int64_t end) {
+    float* turned = static_cast<float*>(
+        scratch_bytes(ScratchSlot::tile, kPixelTile * factors.turned_per_pixel * int64_t(sizeof(float))));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / tiles, first_pixel = task % tiles * kPixelTile;
+      factors.column_gradient_tile(p, n, first_pixel, std::min(kPixelTile, pixels - first_pixel), turned,
+                                   cols + (n * pixels + first_pixel) * row, row);
+    }
+    release_gemm_context();
+  });
+}
+
+}  // namespace
+
 bool grad_output_tile_fits(const ConvParams& p) {
   return kPixelTile * p.out_channels * int64_t(sizeof(float)) <= kMaxKeptScratchBytes;
 }
+
+namespace {
 
 // The half types' tile holds one group's grad_output.
 bool half_grad_output_tile_fits(const ConvParams& p) {
   return kPixelTile * even(p.out_channels_per_group()) * int64_t(sizeof(uint16_t)) <= kMaxKeptScratchBytes;
 }
 
-// The same GEMMs on half_t factors, as the layer holds them: the columns as the fill wrote them (each rounded
-// once), grad_output and the weight (packed once) in half_t. Each task packs its panel of the columns 512 rows at
-// a time as it multiplies them, in blocks of kDepthBlock rows of depth, odd depths padded with a zero, the blocks'
-// sums added in order, in float32.
+}  // namespace
+
 template <typename half_t>
-void half_backward_gemms_in_tasks(const ConvParams& p, const HalfGemm& gemm, const at::Tensor& grad_output,
-                                  int64_t first, int64_t images, const at::Tensor& weight_matrix,
-                                  const at::Tensor& columns, at::Tensor& grad_columns, at::Tensor& grad_weights) {
-  const int64_t pixels = p.out_pixels(), row = p.taps() * p.in_channels, depth = even(pixels);
-  const int64_t per_group = p.taps() * p.in_channels_per_group(), out_per_group = p.out_channels_per_group();
-  // [images, C_out, depth]: the rows the grad_weights GEMM reads, a zero past an odd pixel count (a copy then).
-  at::Tensor grad_out_h = grad_output.narrow(0, first, images).contiguous().view({images, p.out_channels, pixels});
+HalfBackwardFactors<half_t>::HalfBackwardFactors(const ConvParams& p, const HalfGemm& gemm_,
+                                                 const at::Tensor& grad_output, int64_t first, int64_t images,
+                                                 const at::Tensor& weight_matrix)
+    : gemm(gemm_), depth(even(p.out_pixels())), group_depth(even(p.out_channels_per_group())),
+      turned_per_pixel(group_depth),
+      panels(ceil_div(p.taps() * p.in_channels_per_group(), kPanelWidth)),
+      slot(group_depth * packed_width(kPanelWidth)) {
+  const int64_t pixels = p.out_pixels(), per_group = p.taps() * p.in_channels_per_group();
+  const int64_t out_per_group = p.out_channels_per_group();
+  grad_out = grad_output.narrow(0, first, images).contiguous().view({images, p.out_channels, pixels});
   if (depth != pixels) {
-    at::Tensor padded = grad_out_h.new_zeros({images, p.out_channels, depth});
-    padded.narrow(2, 0, pixels).copy_(grad_out_h);
-    grad_out_h = padded;
+    at::Tensor padded = grad_out.new_zeros({images, p.out_channels, depth});
+    padded.narrow(2, 0, pixels).copy_(grad_out);
+    grad_out = padded;
   }
-  // Each group's weight [C_out/G, taps * C_in/G] as panels of kPanelWidth columns, packed over all its rows.
   const at::Tensor weight_c = weight_matrix.contiguous();
-  const int64_t panels = ceil_div(per_group, kPanelWidth), slot = even(out_per_group) * packed_width(kPanelWidth);
-  at::Tensor weight_packed = weight_c.new_empty({p.groups * panels * slot});
+  weight = weight_c.new_empty({p.groups * panels * slot});
   at::parallel_for(0, p.groups * panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t / panels, n0 = t % panels * kPanelWidth;
       pack_weight_panel(gemm, out_per_group, std::min(kPanelWidth, per_group - n0),
                         weight_c.const_data_ptr<half_t>() + g * out_per_group * per_group + n0, per_group,
-                        weight_packed.mutable_data_ptr<half_t>() + t * slot);
+                        weight.mutable_data_ptr<half_t>() + t * slot);
     }
   });
-  const half_t* grad_out = grad_out_h.const_data_ptr<half_t>();
-  const half_t* cols_h = columns.const_data_ptr<half_t>();
-  const half_t* weight = weight_packed.const_data_ptr<half_t>();
-  float* cols = grad_columns.mutable_data_ptr<float>();
-  float* grad_w = grad_weights.mutable_data_ptr<float>();
+}
 
+template <typename half_t>
+void HalfBackwardFactors<half_t>::add_weight_gradient(const ConvParams& p, int64_t images, const half_t* columns,
+                                                      float* grad_weights) const {
+  const int64_t pixels = p.out_pixels(), row = p.taps() * p.in_channels;
+  const int64_t per_group = p.taps() * p.in_channels_per_group();
+  const half_t* grad = grad_out.const_data_ptr<half_t>();
   const WeightGradientTasks tasks(p);
   at::parallel_for(0, tasks.count, 1, [&](int64_t begin, int64_t end) {
     half_t* packed = static_cast<half_t*>(
@@ -205,37 +217,59 @@ void half_backward_gemms_in_tasks(const ConvParams& p, const HalfGemm& gemm, con
       for (int64_t n = 0; n < images; ++n) {
         for (int64_t p0 = 0; p0 < pixels; p0 += kDepthBlock) {
           const int64_t block = std::min(kDepthBlock, pixels - p0);
-          pack_weight_panel(gemm, block, width, cols_h + (n * pixels + p0) * row + g * per_group + k0, row, packed);
-          half_gemm_on_this_thread(gemm, rows, width, even(block), grad_out + (n * p.out_channels + c0) * depth + p0,
-                                   depth, packed, grad_w + c0 * per_group + k0, per_group, /*accumulate=*/true);
+          pack_weight_panel(gemm, block, width, columns + (n * pixels + p0) * row + g * per_group + k0, row, packed);
+          half_gemm_on_this_thread(gemm, rows, width, even(block), grad + (n * p.out_channels + c0) * depth + p0,
+                                   depth, packed, grad_weights + c0 * per_group + k0, per_group, /*accumulate=*/true);
         }
       }
     }
     release_half_gemm_context(gemm);
   });
+}
 
-  // columns[n, pixel, g, :] = grad_output[n, group g's channels, pixel] x weight[g]: each task a tile of pixels of
-  // one image, each group's grad_output turned to [pixel, even(C_out/G)], a zero past an odd count.
-  const int64_t tiles = ceil_div(pixels, kPixelTile), group_depth = even(out_per_group);
+template <typename half_t>
+void HalfBackwardFactors<half_t>::column_gradient_tile(const ConvParams& p, int64_t n, int64_t first_pixel,
+                                                       int64_t len, half_t* turned, float* grad_columns,
+                                                       int64_t ld) const {
+  const int64_t out_per_group = p.out_channels_per_group(), per_group = p.taps() * p.in_channels_per_group();
+  const half_t* grad = grad_out.const_data_ptr<half_t>();
+  const half_t* packed = weight.const_data_ptr<half_t>();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    transpose(grad + (n * p.out_channels + g * out_per_group) * depth + first_pixel, out_per_group, len, depth,
+              turned, group_depth);
+    if (group_depth > out_per_group) {
+      for (int64_t i = 0; i < len; ++i) turned[i * group_depth + out_per_group] = half_t(0.f);
+    }
+    for (int64_t n0 = 0; n0 < per_group; n0 += kPanelWidth) {
+      half_gemm_on_this_thread(gemm, len, std::min(kPanelWidth, per_group - n0), group_depth, turned, group_depth,
+                               packed + (g * panels + n0 / kPanelWidth) * slot, grad_columns + g * per_group + n0, ld,
+                               /*accumulate=*/false);
+    }
+  }
+}
+
+template struct HalfBackwardFactors<c10::BFloat16>;
+template struct HalfBackwardFactors<c10::Half>;
+
+namespace {
+
+// The same GEMMs on half_t factors, as the layer holds them (HalfBackwardFactors): the weight's gradient, then the
+// columns' gradient, each task a tile of kPixelTile pixels of one image.
+template <typename half_t>
+void half_backward_gemms_in_tasks(const ConvParams& p, const HalfGemm& gemm, const at::Tensor& grad_output,
+                                  int64_t first, int64_t images, const at::Tensor& weight_matrix,
+                                  const at::Tensor& columns, at::Tensor& grad_columns, at::Tensor& grad_weights) {
+  const HalfBackwardFactors<half_t> factors(p, gemm, grad_output, first, images, weight_matrix);
+  factors.add_weight_gradient(p, images, columns.const_data_ptr<half_t>(), grad_weights.mutable_data_ptr<float>());
+  const int64_t pixels = p.out_pixels(), row = p.taps() * p.in_channels, tiles = ceil_div(pixels, kPixelTile);
+  float* cols = grad_columns.mutable_data_ptr<float>();
   at::parallel_for(0, images * tiles, 1, [&](int64_t begin, int64_t end) {
     half_t* turned = static_cast<half_t*>(
-        scratch_bytes(ScratchSlot::tile, kPixelTile * group_depth * int64_t(sizeof(half_t))));  // [pixel, C_out/G]
+        scratch_bytes(ScratchSlot::tile, kPixelTile * factors.turned_per_pixel * int64_t(sizeof(half_t))));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / tiles, first_pixel = task % tiles * kPixelTile;
-      const int64_t len = std::min(kPixelTile, pixels - first_pixel);
-      for (int64_t g = 0; g < p.groups; ++g) {
-        transpose(grad_out + (n * p.out_channels + g * out_per_group) * depth + first_pixel, out_per_group, len,
-                  depth, turned, group_depth);
-        if (group_depth > out_per_group) {
-          for (int64_t i = 0; i < len; ++i) turned[i * group_depth + out_per_group] = half_t(0.f);
-        }
-        for (int64_t n0 = 0; n0 < per_group; n0 += kPanelWidth) {
-          half_gemm_on_this_thread(gemm, len, std::min(kPanelWidth, per_group - n0), group_depth, turned,
-                                   group_depth, weight + (g * panels + n0 / kPanelWidth) * slot,
-                                   cols + (n * pixels + first_pixel) * row + g * per_group + n0, row,
-                                   /*accumulate=*/false);
-        }
-      }
+      factors.column_gradient_tile(p, n, first_pixel, std::min(kPixelTile, pixels - first_pixel), turned,
+                                   cols + (n * pixels + first_pixel) * row, row);
     }
     release_half_gemm_context(gemm);
   });
@@ -251,8 +285,7 @@ bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t 
       !grad_output_tile_fits(p) || !batch_reduce_gemm_works()) {
     return false;
   }
-  backward_gemms_in_tasks(p, grad_output, first, images, weight_matrix, grad_columns, grad_weights,
-                          gemm_on_this_thread, release_gemm_context);
+  backward_gemms_in_tasks(p, grad_output, first, images, weight_matrix, grad_columns, grad_weights);
   return true;
 }
 

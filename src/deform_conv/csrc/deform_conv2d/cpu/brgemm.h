@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "../conv_params.h"
+#include "half_gemm.h"
 
 namespace deform_conv {
 namespace cpu {
@@ -57,8 +58,54 @@ bool half_backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int
                          const at::Tensor& weight_matrix, const at::Tensor& columns, at::Tensor& grad_columns,
                          at::Tensor& grad_weights);
 
+// Output pixels of one image per tile of the columns' gradient (the backward's second GEMM).
+constexpr int64_t kPixelTile = 128;
+
+// The float32 backward's factors for images [first, first + images) (backward_gemms, tiled_backward.h), with the
+// interface of HalfBackwardFactors below: grad_output [images, C_out, pixels] and the weight [C_out, taps * C_in/G],
+// contiguous. add_weight_gradient: each task a block of output channels by a panel of the columns, summing image
+// after image; column_gradient_tile: the tile's grad_output turned into `turned` [len, C_out], times each group's
+// weight.
+struct FloatBackwardFactors {
+  int64_t turned_per_pixel;  // C_out
+  at::Tensor grad_out, weight;
+
+  FloatBackwardFactors(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
+                       const at::Tensor& weight_matrix);
+  void add_weight_gradient(const ConvParams& p, int64_t images, const float* columns, float* grad_weights) const;
+  void column_gradient_tile(const ConvParams& p, int64_t n, int64_t first_pixel, int64_t len, float* turned,
+                            float* grad_columns, int64_t ld) const;
+};
+
+// The half types' backward factors for images [first, first + images) (half_backward_gemms, tiled_backward.h):
+// grad_output in half_t [images, C_out, depth], depth the pixels rounded up to pairs (a zero past an odd count), and
+// each group's weight [C_out/G, taps * C_in/G] packed for the half GEMM in panels of kPanelWidth columns.
+template <typename half_t>
+struct HalfBackwardFactors {
+  HalfGemm gemm;
+  int64_t depth, group_depth;  // group_depth: C_out/G rounded up to pairs
+  int64_t turned_per_pixel;    // column_gradient_tile's `turned`: values per pixel (group_depth)
+  int64_t panels, slot;        // panels per group, each in a slot of this many values
+  at::Tensor grad_out, weight;
+
+  HalfBackwardFactors(const ConvParams& p, const HalfGemm& gemm, const at::Tensor& grad_output, int64_t first,
+                      int64_t images, const at::Tensor& weight_matrix);
+  // grad_weights [C_out, taps * C_in/G] (float32) += each group's grad_output x its columns, `columns` the images'
+  // [images, pixels, taps * C_in] in half_t (each rounded once, as the fill writes them): tasks of output channels
+  // by panels of columns, each packing its panel 512 pixels at a time, the blocks' sums added in order. Parallel.
+  void add_weight_gradient(const ConvParams& p, int64_t images, const half_t* columns, float* grad_weights) const;
+  // grad_columns [len, taps * C_in] (float32, rows ld apart) = the columns' gradient of output pixels
+  // [first_pixel, first_pixel + len) of image n (of these images), len <= kPixelTile: each group's grad_output
+  // turned into `turned` [len, group_depth] and multiplied by its weight. On the calling thread.
+  void column_gradient_tile(const ConvParams& p, int64_t n, int64_t first_pixel, int64_t len, half_t* turned,
+                            float* grad_columns, int64_t ld) const;
+};
+
 // Whether a layer's grad_output tiles fit half_backward_gemms' scratch memory.
 bool half_backward_gemms_fit(const ConvParams& p);
+
+// Whether a float32 layer's grad_output tiles fit backward_gemms' scratch memory (up to 65536 output channels).
+bool grad_output_tile_fits(const ConvParams& p);
 
 }  // namespace cpu
 }  // namespace deform_conv

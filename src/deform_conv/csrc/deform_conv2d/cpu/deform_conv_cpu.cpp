@@ -19,6 +19,7 @@
 #include "layout.h"
 #include "sampling_passes.h"
 #include "scratch.h"
+#include "tiled_backward.h"
 #include "tiled_forward.h"
 #include "transpose.h"
 
@@ -97,7 +98,7 @@ void input_grad(const ConvParams& p, const SamplingTensors& t, int64_t first, in
 constexpr SamplingPasses kPasses{fill, coordinate_grads, input_grad, int64_t(8) << 20, /*gemm_as_convolution=*/true,
                                  /*backward_gemms=*/backward_gemms, scratch, kMaxKeptScratchBytes,
                                  /*backward_column_dtype=*/at::ScalarType::Undefined, channels_last, channels_first,
-                                 weight_in_column_order};
+                                 weight_in_column_order, tiled_backward<float>};
 // A half-type layer's backward where the CPU does not multiply its type natively: in float32, as a float32
 // layer's, its input widened as it is turned for the passes, grad_output a chunk at a time for the GEMMs, the
 // input's gradient rounded as it is turned back, the weight widened as it is turned to the columns' order (the
@@ -112,11 +113,11 @@ constexpr SamplingPasses kHalfInFloat32Passes{fill, coordinate_grads, input_grad
 constexpr SamplingPasses kBFloat16Passes{fill, coordinate_grads, input_grad, int64_t(8) << 20, true,
                                          half_backward_gemms<c10::BFloat16>, scratch, kMaxKeptScratchBytes,
                                          /*backward_column_dtype=*/at::kBFloat16, channels_last, channels_first,
-                                         weight_in_column_order};
+                                         weight_in_column_order, tiled_backward<c10::BFloat16>};
 constexpr SamplingPasses kFloat16Passes{fill, coordinate_grads, input_grad, int64_t(8) << 20, true,
                                         half_backward_gemms<c10::Half>, scratch, kMaxKeptScratchBytes,
                                         /*backward_column_dtype=*/at::kHalf, channels_last, channels_first,
-                                        weight_in_column_order};
+                                        weight_in_column_order, tiled_backward<c10::Half>};
 
 // Whether a half-type layer's GEMMs run on the half type's here.
 bool native_half_layer(const at::Tensor& input) { return half_gemm_for(input.scalar_type()).uses_native_path(); }

@@ -171,7 +171,7 @@ void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, im
     const int64_t len = std::min({kPointBlock, row_end - row, pixels - first});
     const image_t* image = in.input + n * p.height * p.width * channels;
     walk.start_block(first, len);
-    const scalar_t* block_grad = grad_columns + row * row_size;
+    const scalar_t* block_grad = grad_columns + (row - row_begin) * row_size;
     for (int64_t group = 0; group < p.offset_groups; ++group) {
       walk.compute_group(n, group, first, len, corner_source(image, channels, zeros));
       const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
@@ -213,12 +213,13 @@ void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, im
 DC_CPU_KERNEL(coordinate_rows)
 
 // Tasks are (image, block of channels) pairs: each owns the part of grad_input it writes. An element of grad_input
-// belongs to one offset group, and sums its terms output pixel by output pixel, tap by tap within a pixel.
+// belongs to one offset group, and sums its terms output pixel by output pixel, tap by tap within a pixel. Output
+// pixels [pixel_begin, pixel_end) of each image: grad_columns holds their rows, image after image.
 template <typename scalar_t>
 void input_grad_tasks_body(const ConvParams& p, const SamplingInputs<scalar_t>& in,
                            int64_t first_image, int64_t blocks, int64_t task_begin,
-                           int64_t task_end, const scalar_t* grad_columns,
-                           scalar_t* grad_input) {
+                           int64_t task_end, int64_t pixel_begin, int64_t pixel_end,
+                           const scalar_t* grad_columns, scalar_t* grad_input) {
   const int64_t pixels = p.out_pixels(), channels = p.in_channels, per_offset_group = p.channels_per_offset_group();
   const int64_t row_size = p.taps() * channels, per_group = p.in_channels_per_group();
   const bool masked = in.mask != nullptr;
@@ -227,10 +228,10 @@ void input_grad_tasks_body(const ConvParams& p, const SamplingInputs<scalar_t>& 
     const int64_t n_local = task / blocks, block = task % blocks, n = first_image + n_local;
     const int64_t block_begin = block * channels / blocks, block_end = (block + 1) * channels / blocks;
     scalar_t* image_grad = grad_input + n * p.height * p.width * channels;
-    for (int64_t first = 0; first < pixels; first += kPointBlock) {
-      const int64_t len = std::min(kPointBlock, pixels - first);
+    for (int64_t first = pixel_begin; first < pixel_end; first += kPointBlock) {
+      const int64_t len = std::min(kPointBlock, pixel_end - first);
       walk.start_block(first, len);
-      const scalar_t* block_grad = grad_columns + (n_local * pixels + first) * row_size;
+      const scalar_t* block_grad = grad_columns + (n_local * (pixel_end - pixel_begin) + first - pixel_begin) * row_size;
       for (int64_t group = 0; group < p.offset_groups; ++group) {
         if (std::max(block_begin, group * per_offset_group) >= std::min(block_end, (group + 1) * per_offset_group)) {
           continue;
@@ -305,7 +306,8 @@ void coordinate_and_mask_grads(const ConvParams& p, const SamplingInputs<scalar_
                                int64_t images, const scalar_t* grad_columns, scalar_t* grad_offset,
                                scalar_t* grad_mask) {
   at::parallel_for(0, images * p.out_pixels(), kRowsPerTask, [&](int64_t begin, int64_t end) {
-    coordinate_rows<scalar_t>(p, in, first_image, begin, end, grad_columns, grad_offset, grad_mask);
+    coordinate_rows<scalar_t>(p, in, first_image, begin, end, grad_columns + begin * p.taps() * p.in_channels,
+                              grad_offset, grad_mask);
   });
 }
 
@@ -319,9 +321,26 @@ void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& 
   const int64_t threads = at::get_num_threads();
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(threads / std::gcd(images, threads), p.in_channels / 8));
   at::parallel_for(0, images * blocks, 1, [&](int64_t begin, int64_t end) {
-    input_grad_tasks<scalar_t>(p, in, first_image, blocks, begin, end, grad_columns, grad_input);
+    input_grad_tasks<scalar_t>(p, in, first_image, blocks, begin, end, int64_t(0), p.out_pixels(), grad_columns,
+                               grad_input);
   });
 }
+
+template <typename image_t>
+void tile_grads(const ConvParams& p, const SamplingInputs<float, image_t>& in, int64_t n, int64_t pixel_begin,
+                int64_t pixel_end, const float* grad_columns, float* grad_offset, float* grad_mask,
+                float* grad_input) {
+  coordinate_rows<float>(p, in, n, pixel_begin, pixel_end, grad_columns, grad_offset, grad_mask);
+  input_grad_tasks<float>(p, SamplingInputs<float>{nullptr, in.offset, in.mask}, n, int64_t(1), int64_t(0),
+                          int64_t(1), pixel_begin, pixel_end, grad_columns, grad_input);
+}
+
+template void tile_grads<float>(const ConvParams&, const SamplingInputs<float, float>&, int64_t, int64_t, int64_t,
+                                const float*, float*, float*, float*);
+template void tile_grads<c10::BFloat16>(const ConvParams&, const SamplingInputs<float, c10::BFloat16>&, int64_t,
+                                        int64_t, int64_t, const float*, float*, float*, float*);
+template void tile_grads<c10::Half>(const ConvParams&, const SamplingInputs<float, c10::Half>&, int64_t, int64_t,
+                                    int64_t, const float*, float*, float*, float*);
 
 #define DEFORM_CONV_INSTANTIATE(T)                                                                              \
   template void fill_columns<T, T>(const ConvParams&, const SamplingInputs<T>&, int64_t, int64_t, T*);         \

@@ -54,5 +54,14 @@ template <typename scalar_t>
 void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& in, int64_t first_image,
                            int64_t images, const scalar_t* grad_columns, scalar_t* grad_input);
 
+// Both passes above for output pixels [pixel_begin, pixel_end) of image n alone, on the calling thread, from their
+// columns' gradient (grad_columns holds their rows): the half types' tiled backward (tiled_backward.h), whose tile
+// of that gradient stays in cache. The coordinates' gradient of those points, and their terms added to image n's
+// input gradient in the order the whole image's pass adds them (pixel by pixel, tap by tap): the same sums.
+template <typename image_t>
+void tile_grads(const ConvParams& p, const SamplingInputs<float, image_t>& in, int64_t n, int64_t pixel_begin,
+                int64_t pixel_end, const float* grad_columns, float* grad_offset, float* grad_mask,
+                float* grad_input);
+
 }  // namespace cpu
 }  // namespace deform_conv
