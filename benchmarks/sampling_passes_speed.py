@@ -10,7 +10,8 @@ turned channels-last moves half the bytes. The half types take that path where t
 for their calls, which runs the same passes beside ATen's portable GEMMs (slow: their row says which GEMM ran), so
 that the passes' own cost in the half type is measured on any CPU. The passes are timed in the backward, where each
 is a pass of its own over a chunk of images (the forward's tiled path fills and multiplies tile by tile, with the same
-fill loop). Each round profiles one forward+backward of every dtype, in a shuffled order; a pass's time is its
+fill loop), but where a chunk has an image per thread: the tiled backward (cpu/tiled_backward.h) then runs the GEMMs
+and the coordinates' and the input's gradients tile by tile, and its row (`tiled_backward`) holds all three. Each round profiles one forward+backward of every dtype, in a shuffled order; a pass's time is its
 ranges' wall time summed over the call, and the table gives the median over the rounds with the ratio to float32.
 The fill's ranges record the columns they fill: a half type whose columns were not in its own type (a layer the half
 path does not take, its passes then float32's) stops the script with an error rather than give float32's times
@@ -35,6 +36,9 @@ from deform_conv._bench.timing import make_call, steady_malloc
 
 PASSES = ["channels_last", "fill_columns", "coordinate_grads", "input_grad", "channels_first"]
 GEMMS = "backward_gemms"
+# The tiled backward's range (cpu/tiled_backward.h): both GEMMs, the coordinates' and the input's gradients, tile by
+# tile, where a chunk has an image per thread; the three rows above it are then empty.
+TILED = "tiled_backward"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HALF_GEMM_VARIABLE = "DEFORM_CONV_CPU_HALF_GEMM"
 
@@ -115,7 +119,7 @@ def case_rows(case: Case, dtypes: Sequence[str], rounds: int, seed: int) -> List
         return statistics.median(sum(sample.get(key, 0.0) for key in PASSES) for sample in samples[name])
 
     rows = []
-    for key in PASSES + ["sampling passes", GEMMS]:
+    for key in PASSES + ["sampling passes", GEMMS, TILED]:
         cells = []
         base = sampling_total("float32") if key == "sampling passes" else median("float32", key)
         for name in dtypes:
