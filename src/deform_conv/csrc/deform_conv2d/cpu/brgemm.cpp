@@ -165,14 +165,10 @@ bool grad_output_tile_fits(const ConvParams& p) {
   return kPixelTile * p.out_channels * int64_t(sizeof(float)) <= kMaxKeptScratchBytes;
 }
 
-namespace {
-
 // The half types' tile holds one group's grad_output.
-bool half_grad_output_tile_fits(const ConvParams& p) {
+bool half_backward_gemms_fit(const ConvParams& p) {
   return kPixelTile * even(p.out_channels_per_group()) * int64_t(sizeof(uint16_t)) <= kMaxKeptScratchBytes;
 }
-
-}  // namespace
 
 template <typename half_t>
 HalfBackwardFactors<half_t>::HalfBackwardFactors(const ConvParams& p, const HalfGemm& gemm_,
@@ -289,8 +285,6 @@ bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t 
   return true;
 }
 
-bool half_backward_gemms_fit(const ConvParams& p) { return half_grad_output_tile_fits(p); }
-
 template <typename half_t>
 bool half_backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
                          const at::Tensor& weight_matrix, const at::Tensor& columns, at::Tensor& grad_columns,
@@ -299,7 +293,7 @@ bool half_backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int
   const HalfGemm gemm = half_gemm_for(dtype);
   if (grad_output.scalar_type() != dtype || weight_matrix.scalar_type() != dtype ||
       grad_weights.scalar_type() != at::kFloat || columns.scalar_type() != dtype ||
-      grad_columns.scalar_type() != at::kFloat || !half_grad_output_tile_fits(p) || !gemm.uses_native_path()) {
+      grad_columns.scalar_type() != at::kFloat || !half_backward_gemms_fit(p) || !gemm.uses_native_path()) {
     return false;
   }
   half_backward_gemms_in_tasks<half_t>(p, gemm, grad_output, first, images, weight_matrix, columns, grad_columns,
