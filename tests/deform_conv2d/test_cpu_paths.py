@@ -99,15 +99,11 @@ def test_depthwise_channel_widths(dtype, per_offset_group, with_mask):
     assert_all_close(results, output_and_grads(torchvision.ops.deform_conv2d, case), dtype)
 
 
-@pytest.mark.parametrize("dtype_", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_depthwise_images_turned_per_thread_or_up_front_alike(dtype_):
-    """On two threads, a batch of three images has each thread turn its images to channels-last itself
-    (thread_images.h; thread 0 moves on from image 0 to image 1, which thread 1 turns too); one image alone is turned
-    up front. Each image's output and its gradients (of the input, the offsets and the mask) are the same bits
-    either way; a bfloat16 input is widened as it is turned."""
-    case = make_case(dtype_, batch=3, in_channels=24, out_channels=24, groups=24, offset_groups=2, size=(9, 7))
+def assert_batch_and_images_alone_alike(case, gemm_path="auto"):
+    """On two threads: each image's output and its input, offset and mask gradients from the whole batch are the
+    same bits as from the image alone (with DEFORM_CONV_CPU_HALF_GEMM=`gemm_path`)."""
     shape = case.call(ours, case.tensors()).shape
-    grad_output = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype_)
+    grad_output = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(case.input.dtype)
 
     def per_image(images):  # output, grad_input, grad_offset, grad_mask of images [first, last)
         leaves = [t[images].detach().clone().requires_grad_() for t in (case.input, case.offset, case.mask)]
@@ -115,16 +111,28 @@ def test_depthwise_images_turned_per_thread_or_up_front_alike(dtype_):
         out = ours(x, offset, case.weight, case.bias, case.stride, case.padding, case.dilation, mask)
         return [out.detach(), *torch.autograd.grad(out, leaves, grad_output[images])]
 
+    batch = case.input.shape[0]
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        together = per_image(slice(0, 3))
-        alone = [per_image(slice(n, n + 1)) for n in range(3)]
+        with half_gemm_path(gemm_path):
+            together = per_image(slice(0, batch))
+            alone = [per_image(slice(n, n + 1)) for n in range(batch)]
     finally:
         torch.set_num_threads(threads)
     for n, results in enumerate(alone):
         for name, got, expected in zip(["output", "input", "offset", "mask"], together, results):
             assert torch.equal(got[n:n + 1], expected), (n, name)
+
+
+@pytest.mark.parametrize("dtype_", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_depthwise_images_turned_per_thread_or_up_front_alike(dtype_):
+    """On two threads, a batch of three images has each thread turn its images to channels-last itself
+    (thread_images.h; thread 0 moves on from image 0 to image 1, which thread 1 turns too); one image alone is turned
+    up front. Each image's output and its gradients (of the input, the offsets and the mask) are the same bits
+    either way; a bfloat16 input is widened as it is turned."""
+    assert_batch_and_images_alone_alike(
+        make_case(dtype_, batch=3, in_channels=24, out_channels=24, groups=24, offset_groups=2, size=(9, 7)))
 
 
 @pytest.mark.parametrize("dtype_", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -138,27 +146,8 @@ def test_tiled_backward_and_the_driver_passes_alike(dtype_):
     the CPU has no native one)."""
     case = make_case(dtype_, batch=4, in_channels=6, out_channels=4, size=(120, 120), kernel=(5, 5),
                      stride=(1, 1), padding=(2, 2), dilation=(1, 1), groups=2, offset_groups=3)
-    shape = case.call(ours, case.tensors()).shape
-    grad_output = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype_)
-
-    def per_image(images):  # output, grad_input, grad_offset, grad_mask of images [first, last)
-        leaves = [t[images].detach().clone().requires_grad_() for t in (case.input, case.offset, case.mask)]
-        x, offset, mask = leaves
-        out = ours(x, offset, case.weight, case.bias, case.stride, case.padding, case.dilation, mask)
-        return [out.detach(), *torch.autograd.grad(out, leaves, grad_output[images])]
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        native = dtype_ == torch.float32 or torch.ops.deform_conv.cpu_half_path(dtype_).startswith("bfloat16: native,")
-        with half_gemm_path("auto" if native else "portable"):
-            together = per_image(slice(0, 4))
-            alone = [per_image(slice(n, n + 1)) for n in range(4)]
-    finally:
-        torch.set_num_threads(threads)
-    for n, results in enumerate(alone):
-        for name, got, expected in zip(["output", "input", "offset", "mask"], together, results):
-            assert torch.equal(got[n:n + 1], expected), (n, name)
+    native = dtype_ == torch.float32 or torch.ops.deform_conv.cpu_half_path(dtype_).startswith("bfloat16: native,")
+    assert_batch_and_images_alone_alike(case, "auto" if native else "portable")
 
 
 def test_depthwise_with_channels_last_and_strided_inputs():
