@@ -18,6 +18,14 @@ import deform_conv
 ours = deform_conv.deform_conv2d
 reference = deform_conv.deform_conv2d_reference
 
+# Where the float32 layers' GEMMs run on the batch-reduce GEMM (cpu/brgemm.cpp), as the library says: it is
+# compiled in only against torch >= 2.9 (ATen's CPUBLAS_BRGEMM_F32F32F32) and used only on x86 with AVX2 and
+# oneDNN. Elsewhere they take the driver's path, as exact but on ATen's GEMMs.
+BATCH_REDUCE_GEMM = torch.ops.deform_conv.brgemm_available()
+NO_BATCH_REDUCE_GEMM = (f"the batch-reduce GEMM is not compiled in or not usable here (torch {torch.__version__}, "
+                        f"{platform.machine()}, CPU capability {torch.backends.cpu.get_cpu_capability()}): it needs "
+                        "torch >= 2.9 on x86-64 with AVX2 and oneDNN")
+
 
 def test_batch_not_divisible_by_the_chunk():
     """20 channels, 3x3 taps, 40x40 output in float64: 2.2 MiB of columns per image, so 3 images share an
@@ -135,19 +143,25 @@ def test_depthwise_images_turned_per_thread_or_up_front_alike(dtype_):
         make_case(dtype_, batch=3, in_channels=24, out_channels=24, groups=24, offset_groups=2, size=(9, 7)))
 
 
-@pytest.mark.parametrize("dtype_", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype_", [
+    pytest.param(torch.float32, marks=pytest.mark.skipif(not BATCH_REDUCE_GEMM, reason=NO_BATCH_REDUCE_GEMM)),
+    torch.bfloat16,
+], ids=["float32", "bfloat16"])
 def test_tiled_backward_and_the_driver_passes_alike(dtype_):
     """The tiled backward (cpu/tiled_backward.h) against the driver's GEMMs and passes, which it replaces where a
     chunk has an image per thread. On two threads, four images of 8.6 MB of float32 columns each go in chunks of two
-    (the tiled backward, the second chunk's from image 2 on, each image's 14,400 pixels in tiles of 128); one image
-    alone takes the driver's. Each image's output and its input, offset and mask gradients are the same bits either
+    (the tiled backward, the second chunk's from image 2 on, each image's 14,399 pixels in tiles of 128, an odd count
+    that the half types' GEMM pads to pairs); one image alone takes the driver's (the profiler's ranges show both). Each image's output and its input, offset and mask gradients are the same bits either
     way: the columns' gradient tile by tile, the coordinates' gradient point by point, and the input's summed in the
-    same order. Weight groups and offset groups that do not nest; bfloat16 on the half path (its portable GEMM where
-    the CPU has no native one)."""
-    case = make_case(dtype_, batch=4, in_channels=6, out_channels=4, size=(120, 120), kernel=(5, 5),
+    same order. Weight groups and offset groups that do not nest, 3 output channels a group; bfloat16 on the half
+    path (its portable GEMM where the CPU has no native one)."""
+    case = make_case(dtype_, batch=4, in_channels=6, out_channels=6, size=(121, 119), kernel=(5, 5),
                      stride=(1, 1), padding=(2, 2), dilation=(1, 1), groups=2, offset_groups=3)
     native = dtype_ == torch.float32 or torch.ops.deform_conv.cpu_half_path(dtype_).startswith("bfloat16: native,")
-    assert_batch_and_images_alone_alike(case, "auto" if native else "portable")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert_batch_and_images_alone_alike(case, "auto" if native else "portable")
+    passes = {e.name for e in prof.events() if e.name.startswith("deform_conv2d::")}
+    assert {"deform_conv2d::tiled_backward", "deform_conv2d::coordinate_grads"} <= passes, passes
 
 
 def test_depthwise_with_channels_last_and_strided_inputs():
@@ -156,14 +170,6 @@ def test_depthwise_with_channels_last_and_strided_inputs():
                .transpose(2, 3), case.weight, case.bias, case.mask]
     assert_all_close(output_and_grads(ours, case, strided), output_and_grads(reference, case), torch.float64)
 
-
-# Where the float32 layers' GEMMs run on the batch-reduce GEMM (cpu/brgemm.cpp), as the library says: it is
-# compiled in only against torch >= 2.9 (ATen's CPUBLAS_BRGEMM_F32F32F32) and used only on x86 with AVX2 and
-# oneDNN. Elsewhere they take the driver's path, as exact but on ATen's GEMMs.
-BATCH_REDUCE_GEMM = torch.ops.deform_conv.brgemm_available()
-NO_BATCH_REDUCE_GEMM = (f"the batch-reduce GEMM is not compiled in or not usable here (torch {torch.__version__}, "
-                        f"{platform.machine()}, CPU capability {torch.backends.cpu.get_cpu_capability()}): it needs "
-                        "torch >= 2.9 on x86-64 with AVX2 and oneDNN")
 
 
 # 5.1 MiB of columns per image: one image per 8 MiB chunk, but a backward chunk holds as many as there are threads.
@@ -258,7 +264,7 @@ TILED_SHAPES = {
 
 @pytest.mark.parametrize("threads, passes", [
     (2, ("backward_gemms", "coordinate_grads", "input_grad")),
-    (1, ("tiled_backward",)),
+    pytest.param(1, ("tiled_backward",), marks=pytest.mark.skipif(not BATCH_REDUCE_GEMM, reason=NO_BATCH_REDUCE_GEMM)),
 ], ids=["driver", "tiled"])
 def test_the_backward_opens_a_profiler_range_for_each_pass(threads, passes):
     """torch.profiler's trace splits the op's time between its passes (columns_driver.cpp's DC_PASS_RANGE): each

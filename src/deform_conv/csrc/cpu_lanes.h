@@ -340,11 +340,12 @@ DC_AVX512_ASM inline void round_bfloat16_pairs(const FloatLanes& even, const Flo
 }
 #endif
 
-// The lanes rounded to float16 at p (round_lanes). A library compiled for AVX-512 rounds with AVX512F's
-// conversion instruction (to nearest, ties to even, as round_lanes), but for lanes that hold a NaN, whose payload it
-// keeps where c10 writes 0x7E00, or a float32 subnormal: those take the bits' way (vfpclassps finds them).
+// The lanes rounded to float16 at p (round_lanes). A library compiled for AVX512-BF16 (whose CPUs all have AVX512DQ,
+// cpu_kernels.h) rounds with AVX512F's conversion instruction (to nearest, ties to even, as round_lanes), but for
+// lanes that hold a NaN, whose payload it keeps where c10 writes 0x7E00, or a float32 subnormal: those take the bits'
+// way (AVX512DQ's vfpclassps finds them, as for bfloat16).
 DC_AVX512_ASM inline void store_lanes(const FloatLanes& lanes, c10::Half* p) {
-#if DC_CPU_VECTOR_BITS == 512
+#if defined(DC_CPU_AVX512_BF16)
   bool plain;  // no lane is a NaN or subnormal
   asm("vfpclassps $0xa1, %1, %%k1\n\tkortestw %%k1, %%k1" : "=@ccz"(plain) : "v"(lanes) : "k1");
   if (__builtin_expect(plain, 1)) {

@@ -55,7 +55,7 @@ void accumulate_input_grad(const ConvParams& p, const SamplingInputs<scalar_t>& 
                            int64_t images, const scalar_t* grad_columns, scalar_t* grad_input);
 
 // Both passes above for output pixels [pixel_begin, pixel_end) of image n alone, on the calling thread, from their
-// columns' gradient (grad_columns holds their rows): the half types' tiled backward (tiled_backward.h), whose tile
+// columns' gradient (grad_columns holds their rows): the tiled backward (tiled_backward.h), whose tile
 // of that gradient stays in cache. The coordinates' gradient of those points, and their terms added to image n's
 // input gradient in the order the whole image's pass adds them (pixel by pixel, tap by tap): the same sums.
 template <typename image_t>

@@ -19,15 +19,36 @@ template <typename scalar_t>
 using BackwardFactors =
     std::conditional_t<std::is_same_v<scalar_t, float>, FloatBackwardFactors, HalfBackwardFactors<scalar_t>>;
 
-// Whether the GEMMs run here on scalar_t's factors: oneDNN's batch-reduce GEMM for float32, the native half GEMM.
+// The half GEMM the call's half-type factors multiply on (read once: its settings may change between calls, on
+// another thread), or none for float32.
 template <typename scalar_t>
-bool gemms_apply(const ConvParams& p) {
+HalfGemm half_gemm_of() {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return HalfGemm{};
+  } else {
+    return half_gemm_for(c10::CppTypeToScalarType<scalar_t>::value);
+  }
+}
+
+// Whether the GEMMs run here on scalar_t's factors: oneDNN's batch-reduce GEMM for float32, the native half GEMM
+// `gemm` for the half types; and their tile of grad_output fits.
+template <typename scalar_t>
+bool gemms_apply(const ConvParams& p, const HalfGemm& gemm) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return batch_reduce_gemm_works() && grad_output_tile_fits(p);
   } else {
-    return half_gemm_for(c10::CppTypeToScalarType<scalar_t>::value).uses_native_path() && half_backward_gemms_fit(p);
+    return gemm.uses_native_path() && half_backward_gemms_fit(p);
   }
 }
+
+// Values per pixel of a tile's turned grad_output (FloatBackwardFactors' and HalfBackwardFactors' turned_per_pixel).
+template <typename scalar_t>
+int64_t turned_per_pixel(const ConvParams& p) {
+  return std::is_same_v<scalar_t, float> ? p.out_channels : even(p.out_channels_per_group());
+}
+
+// A float32 tensor, or an undefined one (the mask and its gradient of a layer without a mask).
+bool float32_or_none(const at::Tensor& t) { return !t.defined() || t.scalar_type() == at::kFloat; }
 
 }  // namespace
 
@@ -38,24 +59,27 @@ bool tiled_backward(const ConvParams& p, const SamplingTensors& tensors, const a
                     at::Tensor& grad_input) {
   const at::ScalarType dtype = c10::CppTypeToScalarType<scalar_t>::value;
   const int64_t row = p.taps() * p.in_channels, pixels = p.out_pixels();
-  if (images < at::get_num_threads() || !gemms_apply<scalar_t>(p) || grad_output.scalar_type() != dtype ||
-      weight_matrix.scalar_type() != dtype || columns.scalar_type() != dtype || tensors.input.scalar_type() != dtype ||
-      tensors.offset.scalar_type() != at::kFloat || grad_weights.scalar_type() != at::kFloat ||
-      grad_offset.scalar_type() != at::kFloat || grad_input.scalar_type() != at::kFloat) {
+  // Per thread: a tile's columns' gradient in float32, then its grad_output turned for the GEMM, in scalar_t.
+  const int64_t tile_floats = kPixelTile * row;
+  const int64_t tile_bytes =
+      tile_floats * int64_t(sizeof(float)) + kPixelTile * turned_per_pixel<scalar_t>(p) * int64_t(sizeof(scalar_t));
+  const HalfGemm gemm = half_gemm_of<scalar_t>();
+  if (images < at::get_num_threads() || tile_bytes > kMaxKeptScratchBytes || !gemms_apply<scalar_t>(p, gemm) ||
+      grad_output.scalar_type() != dtype || weight_matrix.scalar_type() != dtype || columns.scalar_type() != dtype ||
+      tensors.input.scalar_type() != dtype || tensors.offset.scalar_type() != at::kFloat ||
+      !float32_or_none(tensors.mask) || grad_weights.scalar_type() != at::kFloat ||
+      grad_offset.scalar_type() != at::kFloat || !float32_or_none(grad_mask) ||
+      grad_input.scalar_type() != at::kFloat) {
     return false;
   }
   const BackwardFactors<scalar_t> factors = [&] {
     if constexpr (std::is_same_v<scalar_t, float>) {
       return FloatBackwardFactors(p, grad_output, first, images, weight_matrix);
     } else {
-      return HalfBackwardFactors<scalar_t>(p, half_gemm_for(dtype), grad_output, first, images, weight_matrix);
+      return HalfBackwardFactors<scalar_t>(p, gemm, grad_output, first, images, weight_matrix);
     }
   }();
-  // Per thread: a tile's columns' gradient in float32, then its grad_output turned for the GEMM, in scalar_t.
-  const int64_t tile_floats = kPixelTile * row;
-  const int64_t tile_bytes = tile_floats * int64_t(sizeof(float)) +
-                             kPixelTile * factors.turned_per_pixel * int64_t(sizeof(scalar_t));
-  if (tile_bytes > kMaxKeptScratchBytes) return false;
+  TORCH_INTERNAL_ASSERT(factors.turned_per_pixel == turned_per_pixel<scalar_t>(p));
   // The driver's ranges of its passes (columns_driver.cpp), for this pass in their place.
   RECORD_FUNCTION("deform_conv2d::tiled_backward", std::vector<c10::IValue>{});
   factors.add_weight_gradient(p, images, columns.const_data_ptr<scalar_t>(), grad_weights.mutable_data_ptr<float>());

@@ -20,7 +20,7 @@ namespace cpu {
 // (undefined without a mask) and grad_input (channels-last) from their columns' gradient, all three in float32.
 // Each thread takes whole images, so that it alone adds into theirs of grad_input, in the driver's order: the same
 // bits as the driver's GEMMs and passes. Returns false, doing nothing, where the chunk has fewer images than
-// threads (the driver's input gradient then splits the images' channels between threads), where the GEMMs do not
+// threads (the driver's input gradient then gives a thread a block of an image's channels where it has 16 or more), where the GEMMs do not
 // run here (backward_gemms' and half_backward_gemms' conditions), a tensor is in another dtype (a half-type layer
 // computed in float32, a float64 one) or a tile would not fit a thread's scratch memory.
 template <typename scalar_t>
