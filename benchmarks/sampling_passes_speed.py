@@ -11,7 +11,8 @@ for their calls, which runs the same passes beside ATen's portable GEMMs (slow: 
 that the passes' own cost in the half type is measured on any CPU. The passes are timed in the backward, where each
 is a pass of its own over a chunk of images (the forward's tiled path fills and multiplies tile by tile, with the same
 fill loop), but where a chunk has an image per thread: the tiled backward (cpu/tiled_backward.h) then runs the GEMMs
-and the coordinates' and the input's gradients tile by tile, and its row (`tiled_backward`) holds all three. Each round profiles one forward+backward of every dtype, in a shuffled order; a pass's time is its
+and the coordinates' and the input's gradients tile by tile, and its row (`tiled_backward`) holds all three (a row
+that no dtype's calls ran is left out; one that some ran says "-" for the others). Each round profiles one forward+backward of every dtype, in a shuffled order; a pass's time is its
 ranges' wall time summed over the call, and the table gives the median over the rounds with the ratio to float32.
 The fill's ranges record the columns they fill: a half type whose columns were not in its own type (a layer the half
 path does not take, its passes then float32's) stops the script with an error rather than give float32's times
@@ -37,7 +38,7 @@ from deform_conv._bench.timing import make_call, steady_malloc
 PASSES = ["channels_last", "fill_columns", "coordinate_grads", "input_grad", "channels_first"]
 GEMMS = "backward_gemms"
 # The tiled backward's range (cpu/tiled_backward.h): both GEMMs, the coordinates' and the input's gradients, tile by
-# tile, where a chunk has an image per thread; the three rows above it are then empty.
+# tile, where a chunk has an image per thread. The table leaves out the rows of passes that no dtype ran.
 TILED = "tiled_backward"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HALF_GEMM_VARIABLE = "DEFORM_CONV_CPU_HALF_GEMM"
@@ -127,8 +128,10 @@ def case_rows(case: Case, dtypes: Sequence[str], rounds: int, seed: int) -> List
             cells.append("-" if value is None else f"{value:.3f}")
             if name != "float32":
                 cells.append("-" if value is None or not base else f"{value / base:.2f}")
+        if all(cell == "-" for cell in cells):
+            continue  # a pass no dtype ran: the tiled backward's, or the three it stands for
         label = key
-        if key == GEMMS:
+        if key in (GEMMS, TILED):
             label += " (" + ", ".join(f"{name}: {settings[name] or 'native'}" for name in dtypes
                                       if name != "float32") + ")"
         rows.append(f"| {case.name} | {label} | " + " | ".join(cells) + " |")
