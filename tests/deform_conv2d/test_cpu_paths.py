@@ -151,10 +151,11 @@ def test_tiled_backward_and_the_driver_passes_alike(dtype_):
     """The tiled backward (cpu/tiled_backward.h) against the driver's GEMMs and passes, which it replaces where a
     chunk has an image per thread. On two threads, four images of 8.6 MB of float32 columns each go in chunks of two
     (the tiled backward, the second chunk's from image 2 on, each image's 14,399 pixels in tiles of 128, an odd count
-    that the half types' GEMM pads to pairs); one image alone takes the driver's (the profiler's ranges show both). Each image's output and its input, offset and mask gradients are the same bits either
-    way: the columns' gradient tile by tile, the coordinates' gradient point by point, and the input's summed in the
-    same order. Weight groups and offset groups that do not nest, 3 output channels a group; bfloat16 on the half
-    path (its portable GEMM where the CPU has no native one)."""
+    that the half types' GEMM pads to pairs); one image alone takes the driver's (the profiler's ranges show both).
+    Each image's output and its input, offset and mask gradients are the same bits either way: the columns' gradient
+    tile by tile, the coordinates' gradient point by point, and the input's summed in the same order. Weight groups
+    and offset groups that do not nest, 3 output channels a group; bfloat16 on the half path (its portable GEMM where
+    the CPU has no native one)."""
     case = make_case(dtype_, batch=4, in_channels=6, out_channels=6, size=(121, 119), kernel=(5, 5),
                      stride=(1, 1), padding=(2, 2), dilation=(1, 1), groups=2, offset_groups=3)
     native = dtype_ == torch.float32 or torch.ops.deform_conv.cpu_half_path(dtype_).startswith("bfloat16: native,")

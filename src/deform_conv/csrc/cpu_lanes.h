@@ -400,15 +400,15 @@ using BlockLanes = std::conditional_t<kBlockLanes == kSumLanes, FloatLanes,
                                       std::conditional_t<kBlockLanes == kSumLanes / 2, FloatHalfLanes,
                                                          FloatQuarterLanes>>;
 
-// An elementwise loop over n floats in vector registers, its remainder included: f(tag, i) for blocks starting at
-// i, tag a FloatLanes while 16 remain, then a FloatHalfLanes for 8, a FloatQuarterLanes for 4, a FloatPairLanes
-// for 2, then a float for the last one (no wider than kBlockLanes: elementwise, the width changes no value). f loads
-// and stores as many floats as sizeof its tag (std::memcpy) and computes on them as on scalars, so every element
-// gets the same operations: the same bits as a plain loop. (The compiler's own vectorisation leaves a loop's remainder scalar in
-// this library -- sources.py's GCC flags --, and layers whose channels come in pieces of 8, offset groups across
-// few channels, ran wholly scalar. The pair: a layer of 40 channels in 5 weight and 4 offset groups, whose offset
-// groups of 10 come in pieces of 8 + 2, 6 + 4, 4 + 6 and 2 + 8, two channels one by one in each, filled its columns
-// 2-3% faster with it and added its input gradient 1-7% faster, one thread on the 2-core EPYC.)
+// An elementwise loop over n floats in vector registers, its remainder included: f(tag, i) for blocks starting at i,
+// tag a FloatLanes while 16 remain, then a FloatHalfLanes for 8, a FloatQuarterLanes for 4, a FloatPairLanes for 2,
+// then a float for the last one (no wider than kBlockLanes: elementwise, the width changes no value). f loads and
+// stores as many floats as sizeof its tag (std::memcpy) and computes on them as on scalars, so every element gets the
+// same operations: the same bits as a plain loop. (The compiler's own vectorisation leaves a loop's remainder scalar in
+// this library -- sources.py's GCC flags --, and layers whose channels come in pieces of 8, offset groups across few
+// channels, ran wholly scalar. The pair: a layer of 40 channels in 5 weight and 4 offset groups, whose offset groups of
+// 10 come in pieces of 8 + 2, 6 + 4, 4 + 6 and 2 + 8, two channels one by one in each, filled its columns 2-3% faster
+// with it and added its input gradient 1-7% faster, one thread on the 2-core EPYC.)
 template <typename F>
 inline void for_float_blocks(int64_t n, const F& f) {
   int64_t i = 0;

@@ -100,7 +100,7 @@ struct WeightGradientTasks {
 
 FloatBackwardFactors::FloatBackwardFactors(const ConvParams& p, const at::Tensor& grad_output, int64_t first,
                                            int64_t images, const at::Tensor& weight_matrix)
-    : turned_per_pixel(p.out_channels), grad_out(grad_output.narrow(0, first, images).contiguous()),
+    : grad_out(grad_output.narrow(0, first, images).contiguous()),
       weight(weight_matrix.contiguous()) {}
 
 void FloatBackwardFactors::add_weight_gradient(const ConvParams& p, int64_t images, const float* columns,
@@ -149,7 +149,7 @@ void backward_gemms_in_tasks(const ConvParams& p, const at::Tensor& grad_output,
   const int64_t pixels = p.out_pixels(), row = p.taps() * p.in_channels, tiles = ceil_div(pixels, kPixelTile);
   at::parallel_for(0, images * tiles, 1, [&](int64_t begin, int64_t end) {
     float* turned = static_cast<float*>(
-        scratch_bytes(ScratchSlot::tile, kPixelTile * factors.turned_per_pixel * int64_t(sizeof(float))));
+        scratch_bytes(ScratchSlot::tile, kPixelTile * factors.turned_per_pixel(p) * int64_t(sizeof(float))));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / tiles, first_pixel = task % tiles * kPixelTile;
       factors.column_gradient_tile(p, n, first_pixel, std::min(kPixelTile, pixels - first_pixel), turned,
@@ -161,8 +161,8 @@ void backward_gemms_in_tasks(const ConvParams& p, const at::Tensor& grad_output,
 
 }  // namespace
 
-bool grad_output_tile_fits(const ConvParams& p) {
-  return kPixelTile * p.out_channels * int64_t(sizeof(float)) <= kMaxKeptScratchBytes;
+bool FloatBackwardFactors::apply(const ConvParams& p) {
+  return batch_reduce_gemm_works() && kPixelTile * turned_per_pixel(p) * int64_t(sizeof(float)) <= kMaxKeptScratchBytes;
 }
 
 // The half types' tile holds one group's grad_output.
@@ -175,7 +175,6 @@ HalfBackwardFactors<half_t>::HalfBackwardFactors(const ConvParams& p, const Half
                                                  const at::Tensor& grad_output, int64_t first, int64_t images,
                                                  const at::Tensor& weight_matrix)
     : gemm(gemm_), depth(even(p.out_pixels())), group_depth(even(p.out_channels_per_group())),
-      turned_per_pixel(group_depth),
       panels(ceil_div(p.taps() * p.in_channels_per_group(), kPanelWidth)),
       slot(group_depth * packed_width(kPanelWidth)) {
   const int64_t pixels = p.out_pixels(), per_group = p.taps() * p.in_channels_per_group();
@@ -261,7 +260,7 @@ void half_backward_gemms_in_tasks(const ConvParams& p, const HalfGemm& gemm, con
   float* cols = grad_columns.mutable_data_ptr<float>();
   at::parallel_for(0, images * tiles, 1, [&](int64_t begin, int64_t end) {
     half_t* turned = static_cast<half_t*>(
-        scratch_bytes(ScratchSlot::tile, kPixelTile * factors.turned_per_pixel * int64_t(sizeof(half_t))));
+        scratch_bytes(ScratchSlot::tile, kPixelTile * factors.turned_per_pixel(p) * int64_t(sizeof(half_t))));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / tiles, first_pixel = task % tiles * kPixelTile;
       factors.column_gradient_tile(p, n, first_pixel, std::min(kPixelTile, pixels - first_pixel), turned,
@@ -278,7 +277,7 @@ bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t 
                     at::Tensor& grad_weights) {
   TORCH_INTERNAL_ASSERT(columns.is_same(grad_columns), "deform_conv: float32 columns are their own gradient");
   if (grad_output.scalar_type() != at::kFloat || grad_weights.scalar_type() != at::kFloat ||
-      !grad_output_tile_fits(p) || !batch_reduce_gemm_works()) {
+      !FloatBackwardFactors::apply(p)) {
     return false;
   }
   backward_gemms_in_tasks(p, grad_output, first, images, weight_matrix, grad_columns, grad_weights);
@@ -293,7 +292,7 @@ bool half_backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int
   const HalfGemm gemm = half_gemm_for(dtype);
   if (grad_output.scalar_type() != dtype || weight_matrix.scalar_type() != dtype ||
       grad_weights.scalar_type() != at::kFloat || columns.scalar_type() != dtype ||
-      grad_columns.scalar_type() != at::kFloat || !half_backward_gemms_fit(p) || !gemm.uses_native_path()) {
+      grad_columns.scalar_type() != at::kFloat || !HalfBackwardFactors<half_t>::apply(p, gemm)) {
     return false;
   }
   half_backward_gemms_in_tasks<half_t>(p, gemm, grad_output, first, images, weight_matrix, columns, grad_columns,

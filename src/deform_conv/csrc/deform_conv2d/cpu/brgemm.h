@@ -58,6 +58,9 @@ bool half_backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int
                          const at::Tensor& weight_matrix, const at::Tensor& columns, at::Tensor& grad_columns,
                          at::Tensor& grad_weights);
 
+// Whether a layer's grad_output tiles fit half_backward_gemms' scratch memory.
+bool half_backward_gemms_fit(const ConvParams& p);
+
 // Output pixels of one image per tile of the columns' gradient (the backward's second GEMM).
 constexpr int64_t kPixelTile = 128;
 
@@ -67,8 +70,13 @@ constexpr int64_t kPixelTile = 128;
 // after image; column_gradient_tile: the tile's grad_output turned into `turned` [len, C_out], times each group's
 // weight.
 struct FloatBackwardFactors {
-  int64_t turned_per_pixel;  // C_out
   at::Tensor grad_out, weight;
+
+  // Whether these GEMMs run here: on oneDNN's batch-reduce GEMM (batch_reduce_gemm_works), with a tile of
+  // grad_output that fits a thread's scratch memory (up to 65536 output channels).
+  static bool apply(const ConvParams& p);
+  // column_gradient_tile's `turned`: values per pixel (C_out).
+  static int64_t turned_per_pixel(const ConvParams& p) { return p.out_channels; }
 
   FloatBackwardFactors(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
                        const at::Tensor& weight_matrix);
@@ -84,9 +92,16 @@ template <typename half_t>
 struct HalfBackwardFactors {
   HalfGemm gemm;
   int64_t depth, group_depth;  // group_depth: C_out/G rounded up to pairs
-  int64_t turned_per_pixel;    // column_gradient_tile's `turned`: values per pixel (group_depth)
   int64_t panels, slot;        // panels per group, each in a slot of this many values
   at::Tensor grad_out, weight;
+
+  // Whether these GEMMs run here on `gemm` (the half GEMM the call read once, half_gemm_for): it is native (or
+  // portable, by DEFORM_CONV_CPU_HALF_GEMM), and a tile of one group's grad_output fits a thread's scratch memory.
+  static bool apply(const ConvParams& p, const HalfGemm& gemm) {
+    return gemm.uses_native_path() && half_backward_gemms_fit(p);
+  }
+  // column_gradient_tile's `turned`: values per pixel (group_depth).
+  static int64_t turned_per_pixel(const ConvParams& p) { return even(p.out_channels_per_group()); }
 
   HalfBackwardFactors(const ConvParams& p, const HalfGemm& gemm, const at::Tensor& grad_output, int64_t first,
                       int64_t images, const at::Tensor& weight_matrix);
@@ -101,11 +116,6 @@ struct HalfBackwardFactors {
                             float* grad_columns, int64_t ld) const;
 };
 
-// Whether a layer's grad_output tiles fit half_backward_gemms' scratch memory.
-bool half_backward_gemms_fit(const ConvParams& p);
-
-// Whether a float32 layer's grad_output tiles fit backward_gemms' scratch memory (up to 65536 output channels).
-bool grad_output_tile_fits(const ConvParams& p);
 
 }  // namespace cpu
 }  // namespace deform_conv

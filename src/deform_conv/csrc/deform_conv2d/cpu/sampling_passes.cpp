@@ -231,7 +231,8 @@ void input_grad_tasks_body(const ConvParams& p, const SamplingInputs<scalar_t>& 
     for (int64_t first = pixel_begin; first < pixel_end; first += kPointBlock) {
       const int64_t len = std::min(kPointBlock, pixel_end - first);
       walk.start_block(first, len);
-      const scalar_t* block_grad = grad_columns + (n_local * (pixel_end - pixel_begin) + first - pixel_begin) * row_size;
+      const int64_t tile_row = n_local * (pixel_end - pixel_begin) + first - pixel_begin;  // of grad_columns
+      const scalar_t* block_grad = grad_columns + tile_row * row_size;
       for (int64_t group = 0; group < p.offset_groups; ++group) {
         if (std::max(block_begin, group * per_offset_group) >= std::min(block_end, (group + 1) * per_offset_group)) {
           continue;

@@ -30,21 +30,14 @@ HalfGemm half_gemm_of() {
   }
 }
 
-// Whether the GEMMs run here on scalar_t's factors: oneDNN's batch-reduce GEMM for float32, the native half GEMM
-// `gemm` for the half types; and their tile of grad_output fits.
+// Whether the GEMMs run here on scalar_t's factors (FloatBackwardFactors::apply, HalfBackwardFactors::apply).
 template <typename scalar_t>
 bool gemms_apply(const ConvParams& p, const HalfGemm& gemm) {
   if constexpr (std::is_same_v<scalar_t, float>) {
-    return batch_reduce_gemm_works() && grad_output_tile_fits(p);
+    return FloatBackwardFactors::apply(p);
   } else {
-    return gemm.uses_native_path() && half_backward_gemms_fit(p);
+    return HalfBackwardFactors<scalar_t>::apply(p, gemm);
   }
-}
-
-// Values per pixel of a tile's turned grad_output (FloatBackwardFactors' and HalfBackwardFactors' turned_per_pixel).
-template <typename scalar_t>
-int64_t turned_per_pixel(const ConvParams& p) {
-  return std::is_same_v<scalar_t, float> ? p.out_channels : even(p.out_channels_per_group());
 }
 
 // A float32 tensor, or an undefined one (the mask and its gradient of a layer without a mask).
@@ -61,8 +54,8 @@ bool tiled_backward(const ConvParams& p, const SamplingTensors& tensors, const a
   const int64_t row = p.taps() * p.in_channels, pixels = p.out_pixels();
   // Per thread: a tile's columns' gradient in float32, then its grad_output turned for the GEMM, in scalar_t.
   const int64_t tile_floats = kPixelTile * row;
-  const int64_t tile_bytes =
-      tile_floats * int64_t(sizeof(float)) + kPixelTile * turned_per_pixel<scalar_t>(p) * int64_t(sizeof(scalar_t));
+  const int64_t turned_values = kPixelTile * BackwardFactors<scalar_t>::turned_per_pixel(p);
+  const int64_t tile_bytes = tile_floats * int64_t(sizeof(float)) + turned_values * int64_t(sizeof(scalar_t));
   const HalfGemm gemm = half_gemm_of<scalar_t>();
   if (images < at::get_num_threads() || tile_bytes > kMaxKeptScratchBytes || !gemms_apply<scalar_t>(p, gemm) ||
       grad_output.scalar_type() != dtype || weight_matrix.scalar_type() != dtype || columns.scalar_type() != dtype ||
@@ -79,7 +72,6 @@ bool tiled_backward(const ConvParams& p, const SamplingTensors& tensors, const a
       return HalfBackwardFactors<scalar_t>(p, gemm, grad_output, first, images, weight_matrix);
     }
   }();
-  TORCH_INTERNAL_ASSERT(factors.turned_per_pixel == turned_per_pixel<scalar_t>(p));
   // The driver's ranges of its passes (columns_driver.cpp), for this pass in their place.
   RECORD_FUNCTION("deform_conv2d::tiled_backward", std::vector<c10::IValue>{});
   factors.add_weight_gradient(p, images, columns.const_data_ptr<scalar_t>(), grad_weights.mutable_data_ptr<float>());

@@ -16,13 +16,13 @@ namespace deform_conv {
 namespace cpu {
 
 // SamplingPasses::tiled_backward for images [first, first + images) of a scalar_t layer (float, c10::BFloat16,
-// c10::Half): grad_weights (float32) += the chunk's weight gradient, and the chunk's grad_offset, grad_mask
-// (undefined without a mask) and grad_input (channels-last) from their columns' gradient, all three in float32.
-// Each thread takes whole images, so that it alone adds into theirs of grad_input, in the driver's order: the same
-// bits as the driver's GEMMs and passes. Returns false, doing nothing, where the chunk has fewer images than
-// threads (the driver's input gradient then gives a thread a block of an image's channels where it has 16 or more), where the GEMMs do not
-// run here (backward_gemms' and half_backward_gemms' conditions), a tensor is in another dtype (a half-type layer
-// computed in float32, a float64 one) or a tile would not fit a thread's scratch memory.
+// c10::Half): grad_weights (float32) += the chunk's weight gradient, and the chunk's grad_offset, grad_mask (undefined
+// without a mask) and grad_input (channels-last) from their columns' gradient, all three in float32. Each thread takes
+// whole images, so that it alone adds into theirs of grad_input, in the driver's order: the same bits as the driver's
+// GEMMs and passes. Returns false, doing nothing, where the chunk has fewer images than threads (the driver's input
+// gradient then gives a thread a block of an image's channels where it has 16 or more), where the GEMMs do not run here
+// (backward_gemms' and half_backward_gemms' conditions), a tensor is in another dtype (a half-type layer computed in
+// float32, a float64 one) or a tile would not fit a thread's scratch memory.
 template <typename scalar_t>
 bool tiled_backward(const ConvParams& p, const SamplingTensors& tensors, const at::Tensor& grad_output,
                     int64_t first, int64_t images, const at::Tensor& weight_matrix, const at::Tensor& columns,
