@@ -516,14 +516,16 @@ inline void transpose_lanes(V* rows) {
 // (kBlockLanes: 16, 8 for AVX2, 4 for baseline x86-64): src float, or a half type widened as it is loaded
 // (load_block); dst float, or a half type each row rounded in registers (store_block). `add` nullptr adds nothing
 // (adding 0 would turn -0 into +0).
-template <typename S, typename T>
+// V: a narrower vector of floats turns a block of its width (transpose.cpp's 8 x 8 blocks, for 8 to 15 rows).
+template <typename V = BlockLanes, typename S, typename T>
 inline void transpose_block(const S* src, int64_t ld_src, const float* add, T* dst, int64_t ld_dst) {
-  BlockLanes lanes[kBlockLanes];
+  constexpr int n = kLanesOf<V>;
+  V lanes[n];
 #pragma GCC unroll 16
-  for (int i = 0; i < kBlockLanes; ++i) load_block(src + i * ld_src, lanes[i]);
+  for (int i = 0; i < n; ++i) load_block(src + i * ld_src, lanes[i]);
   transpose_lanes(lanes);
 #pragma GCC unroll 16
-  for (int j = 0; j < kBlockLanes; ++j) {
+  for (int j = 0; j < n; ++j) {
     if (add != nullptr) lanes[j] += add[j];
     store_block(lanes[j], dst + j * ld_dst);
   }
