@@ -104,7 +104,9 @@ struct GroupVector {
       const __m512 loaded = _mm512_maskz_loadu_ps(lanes, k.pixel[q] + first_channel);
       std::memcpy(&v[q], &loaded, sizeof(loaded));
     }
-    const FloatLanes value = corner_value(k, v[0], v[1], v[2], v[3], masked, m);
+    // corner_value's sum, in its order (written out: Clang does not pass a 512-bit vector across instruction sets).
+    FloatLanes value = k.weight[0] * v[0] + k.weight[1] * v[1] + k.weight[2] * v[2] + k.weight[3] * v[3];
+    if (masked) value = value * m;
     __m512 out;
     std::memcpy(&out, &value, sizeof(out));
     for (int i = 0; i < pieces; ++i) {
@@ -412,26 +414,26 @@ void input_grad_tasks_body(const ConvParams& p, const SamplingInputs<scalar_t>& 
           }
         };
 #if defined(DC_GROUP_VECTORS)
-        if (std::is_same_v<scalar_t, float> && blocks == 1 &&
-            takes_group_vectors(pieces_begin, pieces_end, per_offset_group)) {
-          const GroupVector vector(pieces_begin, pieces_end);
-          for (int64_t b = 0; b < len; ++b) {
-            for (int64_t tap = 0; tap < p.taps(); ++tap) {
-              const PointBlock<scalar_t>& points = walk.taps[tap];
-              const scalar_t m = masked ? in.mask[p.mask_index(n, group, tap, first + b)] : scalar_t(1);
-              float* pixel[4];
-              int32_t valid[4];
-              float factor[4];
-              for (int q = 0; q < 4; ++q) {
-                pixel[q] = reinterpret_cast<float*>(points.address[q][b]);
-                valid[q] = points.valid[q][b];
-                factor[q] = static_cast<float>(m * points.weight[q][b]);
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          if (blocks == 1 && takes_group_vectors(pieces_begin, pieces_end, per_offset_group)) {
+            const GroupVector vector(pieces_begin, pieces_end);
+            for (int64_t b = 0; b < len; ++b) {
+              for (int64_t tap = 0; tap < p.taps(); ++tap) {
+                const PointBlock<float>& points = walk.taps[tap];
+                const float m = masked ? in.mask[p.mask_index(n, group, tap, first + b)] : 1.f;
+                float* pixel[4];
+                int32_t valid[4];
+                float factor[4];
+                for (int q = 0; q < 4; ++q) {
+                  pixel[q] = reinterpret_cast<float*>(points.address[q][b]);
+                  valid[q] = points.valid[q][b];
+                  factor[q] = m * points.weight[q][b];
+                }
+                vector.add_to_corners(pixel, valid, factor, block_grad + b * row_size + tap * per_group);
               }
-              vector.add_to_corners(pixel, valid, factor,
-                                    reinterpret_cast<const float*>(block_grad + b * row_size + tap * per_group));
             }
+            continue;
           }
-          continue;
         }
 #endif
         if (blocks == 1) {
