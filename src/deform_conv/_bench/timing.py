@@ -113,9 +113,9 @@ def status(field):
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets the high-water mark to the current resident set
 # The rise is measured from the reset mark itself: VmRSS is summed from per-CPU counters and may read a few pages
-# above the mark, which made small rises come out negative. The mark is read through the same counters, and a rise
-# of a few pages (a layer whose forward+backward allocates little but its output) read 5 pages below it once: a
-# rise of a maximum is never negative, so such a reading is the counters' lag, and counts as none.
+# above the mark, which made small rises come out negative. The mark is read through the same counters (T1's rise
+# once read 5 pages below it): a rise of a maximum is never negative, so a reading below the mark is the counters'
+# lag and counts as none.
 before = status("VmHWM:")
 fn(case, leaves).sum().backward()
 # Scratch memory our CPU kernels keep from call to call is resident since the first call: count it too.
