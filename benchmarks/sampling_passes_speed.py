@@ -12,8 +12,9 @@ that the passes' own cost in the half type is measured on any CPU. The passes ar
 is a pass of its own over a chunk of images (the forward's tiled path fills and multiplies tile by tile, with the same
 fill loop), but where a chunk has an image per thread: the tiled backward (cpu/tiled_backward.h) then runs the GEMMs
 and the coordinates' and the input's gradients tile by tile, and its row (`tiled_backward`) holds all three (a row
-that no dtype's calls ran is left out; one that some ran says "-" for the others). Each round profiles one forward+backward of every dtype, in a shuffled order; a pass's time is its
-ranges' wall time summed over the call, and the table gives the median over the rounds with the ratio to float32.
+that no dtype's calls ran is left out; one that some ran says "-" for the others). Each round profiles one
+forward+backward of every dtype, in a shuffled order; a pass's time is its ranges' wall time summed over the call,
+and the table gives the median over the rounds with the ratio to float32.
 The fill's ranges record the columns they fill: a half type whose columns were not in its own type (a layer the half
 path does not take, its passes then float32's) stops the script with an error rather than give float32's times
 under the half type's name. Nothing else is asserted.

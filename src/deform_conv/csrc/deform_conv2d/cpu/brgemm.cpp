@@ -137,30 +137,6 @@ void FloatBackwardFactors::column_gradient_tile(const ConvParams& p, int64_t n, 
   }
 }
 
-namespace {
-
-// The backward's two GEMMs, in tasks that each own their results: the weight's gradient, then the columns'
-// gradient over the columns, each task a tile of kPixelTile pixels of one image.
-void backward_gemms_in_tasks(const ConvParams& p, const at::Tensor& grad_output, int64_t first, int64_t images,
-                             const at::Tensor& weight_matrix, at::Tensor& columns, at::Tensor& grad_weights) {
-  const FloatBackwardFactors factors(p, grad_output, first, images, weight_matrix);
-  float* cols = columns.mutable_data_ptr<float>();  // [images, pixels, groups, taps * C_in/G]
-  factors.add_weight_gradient(p, images, cols, grad_weights.mutable_data_ptr<float>());
-  const int64_t pixels = p.out_pixels(), row = p.taps() * p.in_channels, tiles = ceil_div(pixels, kPixelTile);
-  at::parallel_for(0, images * tiles, 1, [&](int64_t begin, int64_t end) {
-    float* turned = static_cast<float*>(
-        scratch_bytes(ScratchSlot::tile, kPixelTile * factors.turned_per_pixel(p) * int64_t(sizeof(float))));
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / tiles, first_pixel = task % tiles * kPixelTile;
-      factors.column_gradient_tile(p, n, first_pixel, std::min(kPixelTile, pixels - first_pixel), turned,
-                                   cols + (n * pixels + first_pixel) * row, row);
-    }
-    release_gemm_context();
-  });
-}
-
-}  // namespace
-
 bool FloatBackwardFactors::apply(const ConvParams& p) {
   return batch_reduce_gemm_works() && kPixelTile * turned_per_pixel(p) * int64_t(sizeof(float)) <= kMaxKeptScratchBytes;
 }
@@ -248,25 +224,24 @@ template struct HalfBackwardFactors<c10::Half>;
 
 namespace {
 
-// The same GEMMs on half_t factors, as the layer holds them (HalfBackwardFactors): the weight's gradient, then the
-// columns' gradient, each task a tile of kPixelTile pixels of one image.
-template <typename half_t>
-void half_backward_gemms_in_tasks(const ConvParams& p, const HalfGemm& gemm, const at::Tensor& grad_output,
-                                  int64_t first, int64_t images, const at::Tensor& weight_matrix,
-                                  const at::Tensor& columns, at::Tensor& grad_columns, at::Tensor& grad_weights) {
-  const HalfBackwardFactors<half_t> factors(p, gemm, grad_output, first, images, weight_matrix);
-  factors.add_weight_gradient(p, images, columns.const_data_ptr<half_t>(), grad_weights.mutable_data_ptr<float>());
+// The backward's two GEMMs on `factors` (FloatBackwardFactors, HalfBackwardFactors), in tasks that each own their
+// results: the weight's gradient from `columns`, then the columns' gradient into grad_columns (float32's overwrite
+// their columns), each task a tile of kPixelTile pixels of one image.
+template <typename Factors, typename column_t>
+void backward_gemms_in_tasks(const ConvParams& p, const Factors& factors, int64_t images, const column_t* columns,
+                             float* grad_columns, float* grad_weights) {
+  factors.add_weight_gradient(p, images, columns, grad_weights);
   const int64_t pixels = p.out_pixels(), row = p.taps() * p.in_channels, tiles = ceil_div(pixels, kPixelTile);
-  float* cols = grad_columns.mutable_data_ptr<float>();
   at::parallel_for(0, images * tiles, 1, [&](int64_t begin, int64_t end) {
-    half_t* turned = static_cast<half_t*>(
-        scratch_bytes(ScratchSlot::tile, kPixelTile * factors.turned_per_pixel(p) * int64_t(sizeof(half_t))));
+    using turned_t = typename Factors::turned_t;
+    turned_t* turned = static_cast<turned_t*>(
+        scratch_bytes(ScratchSlot::tile, kPixelTile * factors.turned_per_pixel(p) * int64_t(sizeof(turned_t))));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / tiles, first_pixel = task % tiles * kPixelTile;
       factors.column_gradient_tile(p, n, first_pixel, std::min(kPixelTile, pixels - first_pixel), turned,
-                                   cols + (n * pixels + first_pixel) * row, row);
+                                   grad_columns + (n * pixels + first_pixel) * row, row);
     }
-    release_half_gemm_context(gemm);
+    factors.release();
   });
 }
 
@@ -280,7 +255,9 @@ bool backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int64_t 
       !FloatBackwardFactors::apply(p)) {
     return false;
   }
-  backward_gemms_in_tasks(p, grad_output, first, images, weight_matrix, grad_columns, grad_weights);
+  float* cols = grad_columns.mutable_data_ptr<float>();  // the columns, overwritten by their gradient
+  backward_gemms_in_tasks(p, FloatBackwardFactors(p, grad_output, first, images, weight_matrix), images, cols, cols,
+                          grad_weights.mutable_data_ptr<float>());
   return true;
 }
 
@@ -295,8 +272,9 @@ bool half_backward_gemms(const ConvParams& p, const at::Tensor& grad_output, int
       grad_columns.scalar_type() != at::kFloat || !HalfBackwardFactors<half_t>::apply(p, gemm)) {
     return false;
   }
-  half_backward_gemms_in_tasks<half_t>(p, gemm, grad_output, first, images, weight_matrix, columns, grad_columns,
-                                       grad_weights);
+  backward_gemms_in_tasks(p, HalfBackwardFactors<half_t>(p, gemm, grad_output, first, images, weight_matrix), images,
+                          columns.const_data_ptr<half_t>(), grad_columns.mutable_data_ptr<float>(),
+                          grad_weights.mutable_data_ptr<float>());
   return true;
 }
 

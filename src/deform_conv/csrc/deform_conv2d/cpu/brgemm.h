@@ -70,6 +70,7 @@ constexpr int64_t kPixelTile = 128;
 // after image; column_gradient_tile: the tile's grad_output turned into `turned` [len, C_out], times each group's
 // weight.
 struct FloatBackwardFactors {
+  using turned_t = float;  // column_gradient_tile's `turned`
   at::Tensor grad_out, weight;
 
   // Whether these GEMMs run here: on oneDNN's batch-reduce GEMM (batch_reduce_gemm_works), with a tile of
@@ -83,6 +84,8 @@ struct FloatBackwardFactors {
   void add_weight_gradient(const ConvParams& p, int64_t images, const float* columns, float* grad_weights) const;
   void column_gradient_tile(const ConvParams& p, int64_t n, int64_t first_pixel, int64_t len, float* turned,
                             float* grad_columns, int64_t ld) const;
+  // Frees the calling thread's GEMM state after its run of column_gradient_tile (release_gemm_context).
+  void release() const { release_gemm_context(); }
 };
 
 // The half types' backward factors for images [first, first + images) (half_backward_gemms, tiled_backward.h):
@@ -90,6 +93,7 @@ struct FloatBackwardFactors {
 // each group's weight [C_out/G, taps * C_in/G] packed for the half GEMM in panels of kPanelWidth columns.
 template <typename half_t>
 struct HalfBackwardFactors {
+  using turned_t = half_t;  // column_gradient_tile's `turned`
   HalfGemm gemm;
   int64_t depth, group_depth;  // group_depth: C_out/G rounded up to pairs
   int64_t panels, slot;        // panels per group, each in a slot of this many values
@@ -114,8 +118,9 @@ struct HalfBackwardFactors {
   // turned into `turned` [len, group_depth] and multiplied by its weight. On the calling thread.
   void column_gradient_tile(const ConvParams& p, int64_t n, int64_t first_pixel, int64_t len, half_t* turned,
                             float* grad_columns, int64_t ld) const;
+  // Frees the calling thread's state of `gemm` after its run of column_gradient_tile (release_half_gemm_context).
+  void release() const { release_half_gemm_context(gemm); }
 };
-
 
 }  // namespace cpu
 }  // namespace deform_conv

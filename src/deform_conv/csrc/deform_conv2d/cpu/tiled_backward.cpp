@@ -92,11 +92,7 @@ bool tiled_backward(const ConvParams& p, const SamplingTensors& tensors, const a
         tile_grads(p, in, first + n, pixel, pixel + len, tile, offsets, masks, inputs);
       }
     }
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      release_gemm_context();
-    } else {
-      release_half_gemm_context(factors.gemm);
-    }
+    factors.release();
   });
   return true;
 }
