@@ -165,6 +165,32 @@ def test_tiled_backward_and_the_driver_passes_alike(dtype_):
     assert {"deform_conv2d::tiled_backward", "deform_conv2d::coordinate_grads"} <= passes, passes
 
 
+def test_group_vectors_and_the_piece_loops_alike():
+    """40 channels in 5 weight groups and 4 offset groups: each offset group of 10 channels comes in pieces of 8 + 2,
+    6 + 4, 4 + 6 and 2 + 8, which the AVX-512 libraries take as one vector (GroupVector, cpu/sampling_passes.cpp).
+    One image on two threads splits the input gradient's pass into two blocks of channels, which take the piece loops;
+    on one thread it is one block, and the group vector adds each point's terms. The input gradient is the same bits
+    either way (elsewhere both take the piece loops), and so are the output and the offset and mask gradients; the
+    float64 reference checks all of them."""
+    case = _network_scale(make_case(torch.float32, batch=1, in_channels=40, out_channels=40, size=(17, 23),
+                                    kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=5,
+                                    offset_groups=4))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        vector = _gradients(ours, case, case.tensors())
+        torch.set_num_threads(2)
+        pieces = _gradients(ours, case, case.tensors())
+    finally:
+        torch.set_num_threads(threads)
+    # [output, input, offset, weight, bias, mask]: the weight's and the bias' sums may split by thread count.
+    for name, got, expected in zip(("output", "input", "offset", "weight", "bias", "mask"), vector, pieces):
+        if name not in ("weight", "bias"):
+            assert torch.equal(got, expected), name
+    exact = [t.float() for t in _gradients(reference, case, [t.double() for t in case.tensors()])]
+    assert_all_close(vector, exact, torch.float32)
+
+
 def test_depthwise_with_channels_last_and_strided_inputs():
     case = make_case(torch.float64, batch=3, in_channels=6, out_channels=6, groups=6, offset_groups=2)
     strided = [case.input.contiguous(memory_format=torch.channels_last), case.offset.transpose(2, 3).contiguous()

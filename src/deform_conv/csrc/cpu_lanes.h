@@ -565,8 +565,11 @@ inline void total_four(const FloatLanes& a, const FloatLanes& b, const FloatLane
 }
 #endif
 
-// Calls f(width): width a std::integral_constant<int64_t, n> where n is 8, 12, 16, 32 or 64 (the channels of a group
-// in the common layers) and at most max_width, else n itself. Inlined into f, the channel loops below over a width
+// The widths with_common_width fixes at compile time (the channels of a group in the common layers).
+constexpr bool is_common_width(int64_t n) { return n == 8 || n == 12 || n == 16 || n == 32 || n == 64; }
+
+// Calls f(width): width a std::integral_constant<int64_t, n> where n is a common width (is_common_width) and at most
+// max_width, else n itself. Inlined into f, the channel loops below over a width
 // the compiler sees compile without their dispatch over block widths and tails (for_float_blocks, lane_dots) and
 // the spills it brings, which cost as much as their arithmetic where a point has few channels.
 template <int64_t max_width = 64, typename F>

@@ -79,12 +79,13 @@ constexpr int64_t kFixedWidthsUpTo =
 // channels in 5 weight and 4 offset groups, H8, on the Xeon, 2 threads: forward 26% faster, forward+backward 30%).
 // The same operations on each value, and the same lanes for the sums: the same bits.
 struct GroupVector {
-  int64_t first_channel;
-  int pieces;
+  int64_t first_channel = 0;
+  int pieces = 0;  // 0: the group takes the piece loops
   uint16_t lanes;                   // the group's channels
   uint16_t piece_lanes[kSumLanes];  // piece i's
   int64_t store_shift[kSumLanes];   // its column less its first lane: where lane 0 would be stored
 
+  GroupVector() = default;
   GroupVector(const ChannelPiece* begin, const ChannelPiece* end) : first_channel(begin->channel) {
     pieces = static_cast<int>(end - begin);
     int64_t length = 0;
@@ -143,20 +144,20 @@ struct GroupVector {
     total_four(part[0], part[1], part[2], part[3], dot);
   }
 
-  // For each corner q in the image (valid[q]), the group's channels of pixel[q] += factor[q] * the column gradient
-  // row `grad`'s (add_to_four_corners' and add_scaled's sum).
-  DC_AVX512_ASM void add_to_corners(float* const pixel[4], const int32_t valid[4], const float factor[4],
-                                    const float* grad) const {
+  // For each corner of point b in the image (points.valid), the group's channels of its pixel (points.address: an
+  // input gradient's) += m * its weight * the column gradient row `grad`'s (add_to_four_corners' and add_scaled's
+  // sum).
+  DC_AVX512_ASM void add_to_corners(const PointBlock<float>& points, int64_t b, float m, const float* grad) const {
     const __m512 g = gather(grad);
     FloatLanes grads;
     std::memcpy(&grads, &g, sizeof(g));
     for (int q = 0; q < 4; ++q) {
-      if (!valid[q]) continue;
-      float* to = pixel[q] + first_channel;
+      if (!points.valid[q][b]) continue;
+      float* to = reinterpret_cast<float*>(points.address[q][b]) + first_channel;
       const __m512 loaded = _mm512_maskz_loadu_ps(lanes, to);
       FloatLanes v;
       std::memcpy(&v, &loaded, sizeof(loaded));
-      v = v + factor[q] * grads;
+      v = v + (m * points.weight[q][b]) * grads;
       __m512 sum;
       std::memcpy(&sum, &v, sizeof(v));
       _mm512_mask_storeu_ps(to, lanes, sum);
@@ -165,13 +166,12 @@ struct GroupVector {
 };
 
 // Whether the passes take the group's channels as one vector (GroupVector): at most 16 of them, unless its pieces all
-// have one length that with_piece_length fixes at compile time (8, 12 or 16: as fast with two pieces of 8, faster
-// with one). Groups of 5, 6 and 10 channels in one piece, on the Xeon, 2 threads: forward 13-19% faster so,
+// have one length that with_piece_length fixes at compile time (is_common_width: as fast with two pieces of 8,
+// faster with one). Groups of 5, 6 and 10 channels in one piece, on the Xeon, 2 threads: forward 13-19% faster so,
 // forward+backward 3-21%.
 inline bool takes_group_vectors(const ChannelPiece* begin, const ChannelPiece* end, int64_t per_offset_group) {
   const auto as_first = [begin](const ChannelPiece& piece) { return piece.length == begin->length; };
-  const bool fixed_width = begin->length == 8 || begin->length == 12 || begin->length == 16;
-  return per_offset_group <= kSumLanes && !(fixed_width && std::all_of(begin, end, as_first));
+  return per_offset_group <= kSumLanes && !(is_common_width(begin->length) && std::all_of(begin, end, as_first));
 }
 #endif
 
@@ -179,11 +179,27 @@ inline bool takes_group_vectors(const ChannelPiece* begin, const ChannelPiece* e
 template <typename scalar_t>
 struct BlockWalk : TapPoints<scalar_t> {
   const OffsetGroupPieces groups;
+#if defined(DC_GROUP_VECTORS)
+  std::vector<GroupVector> vectors;  // each offset group's (no pieces where it takes the piece loops)
+#endif
 
-  BlockWalk(const ConvParams& p_, const SamplingInputs<scalar_t>& in_) : TapPoints<scalar_t>(p_, in_), groups(p_) {}
+  BlockWalk(const ConvParams& p_, const SamplingInputs<scalar_t>& in_) : TapPoints<scalar_t>(p_, in_), groups(p_) {
+#if defined(DC_GROUP_VECTORS)
+    for (int64_t group = 0; group < p_.offset_groups; ++group) {
+      const bool takes = takes_group_vectors(pieces_begin(group), pieces_end(group), p_.channels_per_offset_group());
+      vectors.push_back(takes ? GroupVector(pieces_begin(group), pieces_end(group)) : GroupVector());
+    }
+#endif
+  }
 
   const ChannelPiece* pieces_begin(int64_t group) const { return groups.pieces.data() + groups.starts[group]; }
   const ChannelPiece* pieces_end(int64_t group) const { return groups.pieces.data() + groups.starts[group + 1]; }
+#if defined(DC_GROUP_VECTORS)
+  // The group's vector where it takes one (takes_group_vectors), else nullptr.
+  const GroupVector* group_vector(int64_t group) const {
+    return vectors[group].pieces > 0 ? &vectors[group] : nullptr;
+  }
+#endif
 };
 
 // The fill of rows [row_begin, row_end). `in_pairs`: bfloat16 corners and columns, 32 channels at a time
@@ -211,12 +227,11 @@ void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, image_t>
 #if defined(DC_GROUP_VECTORS)
       if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<image_t, float> &&
                     std::is_same_v<column_t, float>) {
-        if (takes_group_vectors(pieces_begin, pieces_end, p.channels_per_offset_group())) {
-          const GroupVector vector(pieces_begin, pieces_end);
+        if (const GroupVector* vector = walk.group_vector(group)) {
           for (int64_t b = 0; b < len; ++b) {
             for (int64_t tap = 0; tap < p.taps(); ++tap) {
               const scalar_t m = masked ? in.mask[p.mask_index(n, group, tap, first + b)] : scalar_t(1);
-              vector.interpolate(walk.taps[tap].template corners<image_t>(b), masked, m,
+              vector->interpolate(walk.taps[tap].template corners<image_t>(b), masked, m,
                                  block_columns + b * row_size + tap * per_group);
             }
           }
@@ -301,14 +316,13 @@ void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, im
       const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
 #if defined(DC_GROUP_VECTORS)
       if constexpr (std::is_same_v<image_t, float>) {
-        if (takes_group_vectors(pieces_begin, pieces_end, per_offset_group)) {
-          const GroupVector vector(pieces_begin, pieces_end);
+        if (const GroupVector* vector = walk.group_vector(group)) {
           for (int64_t b = 0; b < len; ++b) {
             for (int64_t tap = 0; tap < p.taps(); ++tap) {
               const PointBlock<scalar_t>& points = walk.taps[tap];
               scalar_t dot[4] = {};
               if (points.inside[b]) {
-                vector.dots(points.template corners<image_t>(b), block_grad + b * row_size + tap * per_group, dot);
+                vector->dots(points.template corners<image_t>(b), block_grad + b * row_size + tap * per_group, dot);
               }
               dots.set(tap, b, dot);
             }
@@ -415,21 +429,12 @@ void input_grad_tasks_body(const ConvParams& p, const SamplingInputs<scalar_t>& 
         };
 #if defined(DC_GROUP_VECTORS)
         if constexpr (std::is_same_v<scalar_t, float>) {
-          if (blocks == 1 && takes_group_vectors(pieces_begin, pieces_end, per_offset_group)) {
-            const GroupVector vector(pieces_begin, pieces_end);
+          const GroupVector* vector = walk.group_vector(group);
+          if (blocks == 1 && vector != nullptr) {
             for (int64_t b = 0; b < len; ++b) {
               for (int64_t tap = 0; tap < p.taps(); ++tap) {
-                const PointBlock<float>& points = walk.taps[tap];
                 const float m = masked ? in.mask[p.mask_index(n, group, tap, first + b)] : 1.f;
-                float* pixel[4];
-                int32_t valid[4];
-                float factor[4];
-                for (int q = 0; q < 4; ++q) {
-                  pixel[q] = reinterpret_cast<float*>(points.address[q][b]);
-                  valid[q] = points.valid[q][b];
-                  factor[q] = m * points.weight[q][b];
-                }
-                vector.add_to_corners(pixel, valid, factor, block_grad + b * row_size + tap * per_group);
+                vector->add_to_corners(walk.taps[tap], b, m, block_grad + b * row_size + tap * per_group);
               }
             }
             continue;
