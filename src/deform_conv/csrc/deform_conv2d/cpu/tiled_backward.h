@@ -5,7 +5,7 @@
 // it (sampling_passes.h: tile_grads). On the driver's path (columns_driver.h) the columns' gradient of a whole chunk
 // goes out to memory and is read back by each of those two passes: for a layer of 64 channels at 56x56, 7 MiB of
 // float32 an image, three times. (bfloat16 on a 2-core Sapphire Rapids Xeon, forward+backward: S1 9% faster, S5
-// 10%, G3 14-22%; float32 S1 4%, G1 2-3% slower; the same bits.)
+// 10%, G3 14-22%; float32 S1 4% faster, G1 2-3% slower; the same bits.)
 #pragma once
 
 #include <ATen/core/Tensor.h>
