@@ -1,8 +1,9 @@
 """bfloat16 and float16 on the CPU: the native forward (half columns, half GEMMs summing in float32, each stored
 value rounded once) where the CPU multiplies half types natively, and the float32 path everywhere else. The native
 path runs here on any CPU with DEFORM_CONV_CPU_HALF_GEMM=portable (its GEMMs on ATen's portable half GEMM, the
-same factors and layout but for oneDNN's packing); ONEDNN_MAX_CPU_ISA=AVX2 or AVX512_CORE_BF16 in a child process
-forces the fallback, as on a CPU without AMX."""
+same factors and layout but for oneDNN's packing); ONEDNN_MAX_CPU_ISA=AVX2 or AVX512_CORE in a child process forces
+the fallback, as on a CPU without AMX or AVX512-BF16, and AVX512_CORE_BF16 leaves bfloat16 native on AMD's cores
+only."""
 
 from __future__ import annotations
 
@@ -438,11 +439,26 @@ print(json.dumps(result))
 """
 
 
-@pytest.mark.parametrize("isa", ["AVX2", "AVX512_CORE_BF16"])
+def amd_with_avx512_bf16() -> bool:
+    """Whether /proc/cpuinfo names an AMD CPU with AVX512-BF16 (Zen 4 and later): the one kind without AMX whose
+    bfloat16 GEMMs outrun float32's (cpu/half_gemm.cpp)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    lines = info.splitlines()
+    vendor = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return vendor == "AuthenticAMD" and "avx512_bf16" in flags
+
+
+@pytest.mark.parametrize("isa", ["AVX2", "AVX512_CORE", "AVX512_CORE_BF16"])
 def test_onednn_limited_below_amx_forces_the_float32_path(isa):
     """ONEDNN_MAX_CPU_ISA (set before oneDNN starts, so in a child) below AMX: no native half GEMM, whatever the CPU
-    has, and the half types' forward is the float32 one rounded, bit for bit. AVX512_CORE_BF16: the microkernels of
-    AVX512-BF16 alone ran bfloat16 layers slower than the float32 path (half_gemm.cpp), so they are not used."""
+    has, and the half types' forward is the float32 one rounded, bit for bit -- but for bfloat16 at AVX512_CORE_BF16
+    on AMD's cores, where its microkernels run (and outrun float32: cpu/half_gemm.cpp). On Intel's cores they ran
+    bfloat16 layers slower than the float32 path, so they are not used there. AVX512_CORE: oneDNN refuses the half
+    types' microkernels (an error of its own, not ATen's), and the library takes the float32 path."""
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa}
     env.pop(PATH_VARIABLE, None)
     shape = json.dumps(NATIVE_SHAPES["panels_depth_blocks"])
@@ -451,6 +467,10 @@ def test_onednn_limited_below_amx_forces_the_float32_path(isa):
     assert child.returncode == 0, child.stderr[-3000:]
     result = json.loads(child.stdout.strip().splitlines()[-1])
     for name in ("bf16", "fp16"):
+        if name == "bf16" and isa == "AVX512_CORE_BF16" and amd_with_avx512_bf16():
+            assert result[name]["path"].startswith("bfloat16: native, bfloat16 GEMMs on oneDNN's AVX512-BF16"), result
+            assert not result[name]["float32_bits"], result
+            continue
         assert "computed in float32 (no native" in result[name]["path"], result
         assert result[name]["float32_bits"], result
 

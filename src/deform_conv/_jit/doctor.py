@@ -34,8 +34,8 @@ def batch_reduce_gemm() -> str:
 
 def half_precision_paths() -> str:
     """The path bfloat16 and float16 forwards take here, as the loaded CPU library says
-    (torch.ops.deform_conv.cpu_half_path): native where the CPU has AMX (AMX-FP16 for float16) and oneDNN runs it,
-    float32 otherwise."""
+    (torch.ops.deform_conv.cpu_half_path): native where the CPU has AMX (AMX-FP16 for float16) or, for bfloat16,
+    AVX512-BF16 on AMD's cores, and oneDNN runs it; float32 otherwise."""
     return "; ".join(torch.ops.deform_conv.cpu_half_path(dtype) for dtype in (torch.bfloat16, torch.float16))
 
 

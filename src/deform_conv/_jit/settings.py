@@ -27,8 +27,8 @@ VARIABLES: Dict[str, Tuple[str, str]] = {
     "DEFORM_CONV_SANITIZE": ("0", "`1` (= `address,undefined`) or a comma-separated list of `address`, "
                                   "`undefined`: the CPU library with sanitizers, an entry of its own"),
     "DEFORM_CONV_CPU_HALF_GEMM": ("auto", "`auto`: bfloat16/float16 layers multiply in their type where the CPU does "
-                                          "so natively (AMX; AMX-FP16 for float16), in "
-                                          "float32 elsewhere; `float32`: in "
+                                          "so natively and faster than in float32 (AMX; AVX512-BF16 on AMD's cores for "
+                                          "bfloat16; AMX-FP16 for float16), in float32 elsewhere; `float32`: in "
                                           "float32 everywhere; `portable`: in their type everywhere, on ATen's "
                                           "portable GEMM where the CPU has no native one (slow; for tests); read on "
                                           "every call"),

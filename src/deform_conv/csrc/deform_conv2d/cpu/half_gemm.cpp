@@ -4,9 +4,14 @@
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/Exception.h>
 
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#endif
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -59,8 +64,8 @@ bool computes_exactly(const HalfGemm& gemm) {
     pack_weight_panel(gemm, k, n, b.data(), n, packed.data());
     half_gemm_on_this_thread(gemm, m, n, k, a.data(), k, packed.data(), c.data(), n, /*accumulate=*/false);
     release_half_gemm_context(gemm);
-  } catch (const c10::Error&) {  // ATen refuses: oneDNN cannot run this layout here
-    return false;
+  } catch (const std::exception&) {  // ATen or oneDNN refuses: it cannot run this layout here (oneDNN's errors are
+    return false;                    // not c10::Error: "could not generate a kernel" with its ISA limited)
   }
   return c == expected;
 }
@@ -89,17 +94,46 @@ bool aten_packs_vnni_pairs(const HalfGemm& gemm) {
   return true;
 }
 
+// Whether this CPU's cores run AVX512-BF16's dot products of pairs at twice float32's multiply-add rate, so that
+// bfloat16 GEMMs on its microkernels outrun float32's: AMD's (Zen 4 and later; every AMD core with AVX512-BF16).
+// On a 2-core Zen 4 EPYC, conv2d and matmul ran 1.9-2.5 times as fast in bfloat16 as in float32, and our bfloat16
+// layers on these microkernels 1.5-2.2 times our float32 forward (benchmarks/results/cpu_bfloat16_zen4.md).
+// Intel's cores run them at float32's rate: on a Sapphire Rapids Xeon with oneDNN limited to AVX512-BF16
+// (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16), bfloat16 layers on them ran at 0.60-0.77 times float32's speed forward and
+// 0.63-0.93 forward+backward, where the float32 path ran them at 0.77-1.02 and 0.83-0.95
+// (benchmarks/results/cpu_bfloat16_avx512bf16.md).
+bool pairs_outrun_float32_here() {
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return false;
+  char vendor[13] = {};
+  std::memcpy(vendor, &ebx, 4);
+  std::memcpy(vendor + 4, &edx, 4);
+  std::memcpy(vendor + 8, &ecx, 4);
+  if (std::strcmp(vendor, "AuthenticAMD") != 0 || eax < 7) return false;
+  if (__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) == 0) return false;
+  return ((eax >> 5) & 1u) != 0;  // CPUID.(EAX=7, ECX=1):EAX[5], AVX512_BF16
+#else
+  return false;
+#endif
+}
+
 template <typename half_t>
 HalfGemm probe() {
-  // AMX (AMX-FP16 for float16), with ATen packing for it. Not the microkernels of AVX512-BF16 or AVX512-FP16 alone:
-  // on a Sapphire Rapids Xeon, bfloat16 layers on AVX512-BF16's (oneDNN limited to them, ONEDNN_MAX_CPU_ISA=
-  // AVX512_CORE_BF16) ran at 0.60-0.77 times float32's speed forward and 0.63-0.93 forward+backward, where the
-  // float32 path ran them at 0.77-1.02 and 0.83-0.95 (their dot products of pairs do no more multiply-adds a cycle
-  // than float32's); float16 layers on AVX512-FP16's took 1.4-1.9 times as long as in float32.
-  HalfGemm candidate{HalfGemm::Layout::aten_packed, true};
-  if (!computes_exactly<half_t>(candidate)) return {};
-  candidate.packs_vnni_pairs = aten_packs_vnni_pairs<half_t>(candidate);
-  return candidate;
+  // AMX (AMX-FP16 for float16), with ATen packing for it.
+  HalfGemm amx{HalfGemm::Layout::aten_packed, true};
+  if (computes_exactly<half_t>(amx)) {
+    amx.packs_vnni_pairs = aten_packs_vnni_pairs<half_t>(amx);
+    return amx;
+  }
+  // Without AMX, bfloat16 on AVX512-BF16's microkernels where they outrun float32 (above), the weight in VNNI pairs
+  // (ATen packs only for AMX). Not float16 on AVX512-FP16's: on the Sapphire Rapids Xeon, oneDNN limited to them,
+  // float16 layers took 1.4-1.9 times as long as in float32.
+  if constexpr (std::is_same_v<half_t, c10::BFloat16>) {
+    const HalfGemm pairs{HalfGemm::Layout::vnni_pairs, true, true};
+    if (pairs_outrun_float32_here() && computes_exactly<half_t>(pairs)) return pairs;
+  }
+  return {};
 }
 
 }  // namespace
@@ -145,6 +179,9 @@ std::string cpu_half_path(c10::ScalarType dtype) {
     case HalfGemm::Layout::aten_packed:
       return name + ": native, " + name + " GEMMs on oneDNN's AMX microkernels (weights packed " +
              (gemm.packs_vnni_pairs ? "in VNNI pairs, as ATen packs them)" : "by ATen)");
+    case HalfGemm::Layout::vnni_pairs:
+      return name + ": native, " + name + " GEMMs on oneDNN's AVX512-BF16 microkernels (weights in VNNI pairs; " +
+             "AMD's cores run their dot products of pairs at twice float32's multiply-add rate)";
     case HalfGemm::Layout::plain:
       return name + ": " + name + " GEMMs on ATen's portable GEMM (DEFORM_CONV_CPU_HALF_GEMM=portable)";
     case HalfGemm::Layout::none:
@@ -153,9 +190,12 @@ std::string cpu_half_path(c10::ScalarType dtype) {
   if (half_gemm_choice() == HalfGemmChoice::float32) {
     return name + ": computed in float32 (DEFORM_CONV_CPU_HALF_GEMM=float32)";
   }
-  const bool bfloat16 = dtype == c10::kBFloat16;
-  return name + ": computed in float32 (no native " + name + " GEMM here: it needs " + (bfloat16 ? "AMX" : "AMX-FP16") +
-         " and oneDNN on; " + (bfloat16 ? "AVX512-BF16" : "AVX512-FP16") + "'s microkernels ran slower than float32)";
+  if (dtype == c10::kBFloat16) {
+    return name + ": computed in float32 (no native bfloat16 GEMM here: it needs AMX, or AVX512-BF16 on AMD's cores, "
+                  "and oneDNN on; AVX512-BF16's microkernels on Intel's cores ran slower than float32)";
+  }
+  return name + ": computed in float32 (no native float16 GEMM here: it needs AMX-FP16 and oneDNN on; AVX512-FP16's "
+                "microkernels ran slower than float32)";
 }
 
 int64_t packed_width(int64_t width) { return (width + 15) / 16 * 16; }
@@ -197,6 +237,11 @@ void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const sou
       case HalfGemm::Layout::aten_packed:
         at::native::cpublas::pack(padded, width, width, ld, c10::CppTypeToScalarType<half_t>::value,
                                   c10::CppTypeToScalarType<half_t>::value, staged.data(), to);
+        break;
+      case HalfGemm::Layout::vnni_pairs:  // rows 2r and 2r + 1 interleaved: element (r, j) at r/2 * 2ld + 2j + r%2
+        for (int64_t r = 0; r < padded; ++r) {
+          for (int64_t j = 0; j < width; ++j) to[r / 2 * 2 * ld + 2 * j + r % 2] = staged[r * width + j];
+        }
         break;
       case HalfGemm::Layout::plain:
         for (int64_t r = 0; r < padded; ++r) {

@@ -1,9 +1,9 @@
 // The half types' GEMMs (bfloat16 and float16 factors, float32 sums) on ATen's batch-reduce GEMM, where it runs
-// them on oneDNN's AMX microkernels (AMX-FP16 for float16): not on AVX512-BF16's or AVX512-FP16's alone, which ran
-// slower than float32 on a Sapphire Rapids Xeon (half_gemm.cpp's probe). Whether the CPU has them, and whether ATen
-// packs the weight for them in VNNI pairs, is decided once per process by running them on a small product whose
-// result is known exactly: where oneDNN refuses (ATen raises) or computes anything else, the half types are
-// computed in float32 as before (deform_conv_cpu.cpp).
+// them on oneDNN's microkernels faster than float32's: AMX (AMX-FP16 for float16), and for bfloat16 AVX512-BF16 on
+// AMD's cores (half_gemm.cpp's probe says where they ran slower: AVX512-BF16 on Intel's cores, AVX512-FP16). Whether
+// the CPU has them, and whether ATen packs the weight for AMX in VNNI pairs, is decided once per process by running
+// them on a small product whose result is known exactly: where oneDNN refuses or computes anything else, the half
+// types are computed in float32 as before (deform_conv_cpu.cpp).
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -22,13 +22,14 @@ HalfGemmChoice half_gemm_choice();
 
 // How this process multiplies half-type factors, for one dtype.
 struct HalfGemm {
-  // none: no native GEMM here, the half types run in float32; aten_packed: AMX, the weight packed by ATen; plain:
-  // ATen's portable GEMM (DEFORM_CONV_CPU_HALF_GEMM=portable).
-  enum class Layout { none, aten_packed, plain };
+  // none: no native GEMM here, the half types run in float32; aten_packed: AMX, the weight packed by ATen;
+  // vnni_pairs: AVX512-BF16 (bfloat16 on AMD's cores), the weight in VNNI pairs packed here; plain: ATen's portable
+  // GEMM (DEFORM_CONV_CPU_HALF_GEMM=portable).
+  enum class Layout { none, aten_packed, vnni_pairs, plain };
   Layout layout = Layout::none;
   bool vnni = false;  // passed to ATen's brgemm: whether it may run oneDNN's microkernels
   // Whether a packed panel holds the rows in VNNI pairs, element (r, j) at r/2 * 2ld + 2j + r%2 (ld its packed
-  // width): where the probe finds that ATen's packing for AMX writes them so.
+  // width): Layout::vnni_pairs, and ATen's packing for AMX where the probe finds that it writes them so.
   bool packs_vnni_pairs = false;
   bool uses_native_path() const { return layout != Layout::none; }
 };
