@@ -555,7 +555,7 @@ def test_float32_path_propagates_nan(half):
     finite = ~torch.isnan(expected)
     assert torch.equal(got[finite], expected[finite])
 
-def rounding_case(half, channels: int, seed: int = 3):
+def rounding_case(half, channels: int, seed: int = 3, groups: int = 1):
     """A 1x1 layer with the identity as its weight outputs its columns unchanged; a shift of half a pixel to the
     right, and the mask, make each column (0.5 a + 0.5 b + 0 c + 0 d) * m of two neighbours a, b (c, d the row
     below), a float32 value that needs rounding. A mask of NaN and one of -NaN make NaN columns, which the output
@@ -577,7 +577,8 @@ def rounding_case(half, channels: int, seed: int = 3):
     mask = torch.rand(1, 1, height, width, generator=g) * 3
     mask[..., 1, 2], mask[..., 2, 1] = float("nan"), -float("nan")  # (inside the driver test's crop)
     mask = mask.to(half)
-    weight = torch.eye(channels).view(channels, channels, 1, 1).to(half)
+    per_group = channels // groups  # each weight group the identity on its channels
+    weight = torch.eye(per_group).repeat(groups, 1).view(channels, per_group, 1, 1).to(half)
     a, b = x[..., :-1].float(), x[..., 1:].float()
     return (x, offset.to(half), weight, mask), (0.5 * a + 0.5 * b) * mask[..., :-1].float()
 
@@ -601,16 +602,18 @@ def assert_rounded_as_torch(half, got, unrounded):
 
 
 @HALF_TYPES
-@pytest.mark.parametrize("channels", [72, 44, 12, 8])
-def test_native_columns_are_rounded_as_torch_rounds(half, channels):
+@pytest.mark.parametrize("channels, groups", [(72, 1), (44, 1), (12, 1), (8, 1), (10, 1), (10, 5)])
+def test_native_columns_are_rounded_as_torch_rounds(half, channels, groups):
     """Each column value is sampled in float32 and rounded once to the half type as it is written (16, 8 or 4
     channels at a time in registers, the rest one by one): exactly torch's rounding of the same float32 value
     (rounding_case). 72 channels: bfloat16 in pairs of 32 (even and odd channels apart, where the library has
     AVX512-BF16; the NaN masks' points value by value) and a block of 8; 44: two blocks of 16, one of 8 and one of
-    4; 12 and 8: the loops of those widths fixed at compile time. The tiled forward."""
-    (x, offset, weight, mask), unrounded = rounding_case(half, channels)
+    4; 12 and 8: the loops of those widths fixed at compile time; 10, in one weight group and in five (pieces of 2):
+    bfloat16 as one vector per point where the library has AVX512-BF16 (sampling_passes.cpp's GroupVector). The
+    tiled forward."""
+    (x, offset, weight, mask), unrounded = rounding_case(half, channels, groups=groups)
     with half_gemm_path("portable"):
-        got = ours(x, offset, weight, mask=mask)
+        got = ours(x, offset, weight, mask=mask)  # (groups: the weight's shape)
     assert_rounded_as_torch(half, got, unrounded)
 
 

@@ -73,11 +73,13 @@ constexpr int64_t kFixedWidthsUpTo =
 
 #if DC_CPU_VECTOR_BITS == 512 && defined(__GNUC__)
 #define DC_GROUP_VECTORS 1
-// An offset group of at most 16 float32 channels, which the weight groups may cut into pieces (8 + 2, 6 + 4, ...),
-// as one AVX-512 vector in each of the three passes: masked loads of its four corners, and a masked store (or load)
-// for each piece at its column, where each piece took loops of its own around its few vectors (a layer of 40
+// An offset group of at most 16 channels, which the weight groups may cut into pieces (8 + 2, 6 + 4, ...), as one
+// AVX-512 vector of floats in each of the three passes: masked loads of its four corners, and a masked store (or
+// load) for each piece at its column, where each piece took loops of its own around its few vectors (a layer of 40
 // channels in 5 weight and 4 offset groups, H8, on the Xeon, 2 threads: forward 26% faster, forward+backward 30%).
-// The same operations on each value, and the same lanes for the sums: the same bits.
+// The same operations on each value, and the same lanes for the sums: the same bits. float32 images and columns;
+// bfloat16 ones too in the libraries for AVX512-BF16, whose CPUs all have AVX512BW's masked 16-bit loads and
+// stores (the corners widened, the columns rounded in registers as the piece loops do: cpu_lanes.h).
 struct GroupVector {
   int64_t first_channel = 0;
   int pieces = 0;  // 0: the group takes the piece loops
@@ -98,46 +100,80 @@ struct GroupVector {
     lanes = static_cast<uint16_t>((1u << length) - 1);
   }
 
-  // dst[column of channel c] = corner_value of c, for the group's channels c.
-  DC_AVX512_ASM void interpolate(const Corners<float, float>& k, bool masked, float m, float* dst) const {
-    FloatLanes v[4];
-    for (int q = 0; q < 4; ++q) {
-      const __m512 loaded = _mm512_maskz_loadu_ps(lanes, k.pixel[q] + first_channel);
-      std::memcpy(&v[q], &loaded, sizeof(loaded));
+  // Where piece i's lane 0 would lie in a row starting at `row` (which may be before the row: only the piece's
+  // lanes are read or written there).
+  template <typename T>
+  T* piece_base(T* row, int i) const {
+    return reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(row) + store_shift[i] * static_cast<int64_t>(sizeof(T)));
+  }
+
+  // The group's channels of a corner's pixel, widened to float, +0 in the other lanes.
+  DC_AVX512_ASM void load_corner(const float* pixel, FloatLanes& v) const {
+    const __m512 loaded = _mm512_maskz_loadu_ps(lanes, pixel + first_channel);
+    std::memcpy(&v, &loaded, sizeof(loaded));
+  }
+#if defined(DC_CPU_AVX512_BF16)
+  DC_AVX512_ASM void load_corner(const c10::BFloat16* pixel, FloatLanes& v) const {
+    HalfBitLanes half;
+    asm("kmovw %1, %%k1\n\tvmovdqu16 %2, %0%{%%k1%}%{z%}"
+        : "=v"(half)
+        : "r"(uint32_t(lanes)), "m"(*reinterpret_cast<const uint16_t(*)[kSumLanes]>(pixel + first_channel))
+        : "k1");
+    BitLanes bits;
+    asm("vpmovzxwd %1, %0" : "=v"(bits) : "v"(half));
+    bits <<= 16;
+    std::memcpy(&v, &bits, sizeof(v));
+  }
+#endif
+
+  // Each piece's lanes of `value` at its column of the row `dst`: float, or rounded to bfloat16 (store_lanes).
+  DC_AVX512_ASM void store_pieces(const FloatLanes& value, float* dst) const {
+    __m512 out;
+    std::memcpy(&out, &value, sizeof(out));
+    for (int i = 0; i < pieces; ++i) _mm512_mask_storeu_ps(piece_base(dst, i), piece_lanes[i], out);
+  }
+#if defined(DC_CPU_AVX512_BF16)
+  DC_AVX512_ASM void store_pieces(const FloatLanes& value, c10::BFloat16* dst) const {
+    HalfBitLanes rounded;
+    store_lanes(value, reinterpret_cast<c10::BFloat16*>(&rounded));
+    for (int i = 0; i < pieces; ++i) {
+      asm("kmovw %1, %%k1\n\tvmovdqu16 %2, %0%{%%k1%}"
+          : "+m"(*reinterpret_cast<uint16_t(*)[kSumLanes]>(piece_base(dst, i)))
+          : "r"(uint32_t(piece_lanes[i])), "v"(rounded)
+          : "k1");
     }
+  }
+#endif
+
+  // dst[column of channel c] = corner_value of c, for the group's channels c.
+  template <typename image_t, typename column_t>
+  DC_AVX512_ASM void interpolate(const Corners<float, image_t>& k, bool masked, float m, column_t* dst) const {
+    FloatLanes v[4];
+    for (int q = 0; q < 4; ++q) load_corner(k.pixel[q], v[q]);
     // corner_value's sum, in its order (written out: Clang does not pass a 512-bit vector across instruction sets).
     FloatLanes value = k.weight[0] * v[0] + k.weight[1] * v[1] + k.weight[2] * v[2] + k.weight[3] * v[3];
     if (masked) value = value * m;
-    __m512 out;
-    std::memcpy(&out, &value, sizeof(out));
-    for (int i = 0; i < pieces; ++i) {
-      // (The address of lane 0, which may lie before the row: only the piece's lanes are stored.)
-      const uintptr_t at = reinterpret_cast<uintptr_t>(dst) + store_shift[i] * static_cast<int64_t>(sizeof(float));
-      _mm512_mask_storeu_ps(reinterpret_cast<void*>(at), piece_lanes[i], out);
-    }
+    store_pieces(value, dst);
   }
 
   // The group's values of a row of columns (or their gradient) whose pieces start at `row`, in lanes 0 to the
   // group's length, +0 in the others.
   DC_AVX512_ASM __m512 gather(const float* row) const {
     __m512 values = _mm512_setzero_ps();
-    for (int i = 0; i < pieces; ++i) {
-      const uintptr_t at = reinterpret_cast<uintptr_t>(row) + store_shift[i] * static_cast<int64_t>(sizeof(float));
-      values = _mm512_mask_loadu_ps(values, piece_lanes[i], reinterpret_cast<const void*>(at));
-    }
+    for (int i = 0; i < pieces; ++i) values = _mm512_mask_loadu_ps(values, piece_lanes[i], piece_base(row, i));
     return values;
   }
 
   // corner_dots' sums of the group's channels of the column gradient row `grad` with the four corners, in its lanes
   // and order (lane_dots: +0 plus each product, lanes past the group +0 * +0; total_four).
-  DC_AVX512_ASM void dots(const Corners<float, float>& k, const float* grad, float dot[4]) const {
+  template <typename image_t>
+  DC_AVX512_ASM void dots(const Corners<float, image_t>& k, const float* grad, float dot[4]) const {
     const __m512 g = gather(grad);
     FloatLanes grads, part[4];
     std::memcpy(&grads, &g, sizeof(g));
     for (int q = 0; q < 4; ++q) {
-      const __m512 loaded = _mm512_maskz_loadu_ps(lanes, k.pixel[q] + first_channel);
       FloatLanes v;
-      std::memcpy(&v, &loaded, sizeof(loaded));
+      load_corner(k.pixel[q], v);
       part[q] = FloatLanes{};
       part[q] += grads * v;
     }
@@ -153,14 +189,13 @@ struct GroupVector {
     std::memcpy(&grads, &g, sizeof(g));
     for (int q = 0; q < 4; ++q) {
       if (!points.valid[q][b]) continue;
-      float* to = reinterpret_cast<float*>(points.address[q][b]) + first_channel;
-      const __m512 loaded = _mm512_maskz_loadu_ps(lanes, to);
+      float* to = reinterpret_cast<float*>(points.address[q][b]);
       FloatLanes v;
-      std::memcpy(&v, &loaded, sizeof(loaded));
+      load_corner(to, v);
       v = v + (m * points.weight[q][b]) * grads;
       __m512 sum;
       std::memcpy(&sum, &v, sizeof(v));
-      _mm512_mask_storeu_ps(to, lanes, sum);
+      _mm512_mask_storeu_ps(to + first_channel, lanes, sum);
     }
   }
 };
@@ -173,6 +208,14 @@ inline bool takes_group_vectors(const ChannelPiece* begin, const ChannelPiece* e
   const auto as_first = [begin](const ChannelPiece& piece) { return piece.length == begin->length; };
   return per_offset_group <= kSumLanes && !(is_common_width(begin->length) && std::all_of(begin, end, as_first));
 }
+
+// Whether GroupVector loads and stores T: float, and bfloat16 in the libraries for AVX512-BF16.
+template <typename T>
+constexpr bool kGroupVectorType = std::is_same_v<T, float>
+#if defined(DC_CPU_AVX512_BF16)
+                                  || std::is_same_v<T, c10::BFloat16>
+#endif
+    ;
 #endif
 
 // What each pass needs to walk its sampling points block by block: TapPoints and the offset groups' channel pieces.
@@ -225,8 +268,7 @@ void fill_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, image_t>
       walk.compute_group(n, group, first, len, corner_source(image, channels, zeros));
       const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
 #if defined(DC_GROUP_VECTORS)
-      if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<image_t, float> &&
-                    std::is_same_v<column_t, float>) {
+      if constexpr (std::is_same_v<scalar_t, float> && kGroupVectorType<image_t> && kGroupVectorType<column_t>) {
         if (const GroupVector* vector = walk.group_vector(group)) {
           for (int64_t b = 0; b < len; ++b) {
             for (int64_t tap = 0; tap < p.taps(); ++tap) {
@@ -315,7 +357,7 @@ void coordinate_rows_body(const ConvParams& p, const SamplingInputs<scalar_t, im
       walk.compute_group(n, group, first, len, corner_source(image, channels, zeros));
       const ChannelPiece *pieces_begin = walk.pieces_begin(group), *pieces_end = walk.pieces_end(group);
 #if defined(DC_GROUP_VECTORS)
-      if constexpr (std::is_same_v<image_t, float>) {
+      if constexpr (std::is_same_v<scalar_t, float> && kGroupVectorType<image_t>) {
         if (const GroupVector* vector = walk.group_vector(group)) {
           for (int64_t b = 0; b < len; ++b) {
             for (int64_t tap = 0; tap < p.taps(); ++tap) {
