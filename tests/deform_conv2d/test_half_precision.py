@@ -37,6 +37,15 @@ def native_here(dtype: torch.dtype) -> bool:
     return path(dtype).startswith(f"{str(dtype).removeprefix('torch.')}: native,")
 
 
+def native_gemm_path(half, gemm: str) -> str:
+    """DEFORM_CONV_CPU_HALF_GEMM for a test of the native path on `gemm`: "portable" (ATen's portable GEMM, any
+    CPU), or "own" (this CPU's microkernels, AMX or AVX512-BF16: the layout the probe chose, and the weight's and
+    the columns' packing for it; skipped where the CPU has none)."""
+    if gemm == "own" and not native_here(half):
+        pytest.skip(f"no native GEMM here: {path(half)}")
+    return "portable" if gemm == "portable" else "auto"
+
+
 def halves(case, half):
     return [t.to(half) for t in case.tensors()]
 
@@ -126,10 +135,12 @@ def test_path_refuses_other_dtypes():
 
 @HALF_TYPES
 @pytest.mark.parametrize("shape", list(NATIVE_SHAPES))
-def test_native_forward_within_the_half_rounding(half, shape):
+@pytest.mark.parametrize("gemm", ["portable", "own"])
+def test_native_forward_within_the_half_rounding(half, shape, gemm):
+    mode = native_gemm_path(half, gemm)
     case = make_case(torch.float32, **NATIVE_SHAPES[shape])
     tensors = halves(case, half)
-    with half_gemm_path("portable"):
+    with half_gemm_path(mode):
         got = assert_native_forward_close(case, half, tensors)
     # The native path ran: its columns are rounded to the half type, so its sums differ from the float32 path's.
     assert not torch.equal(got, float32_rounded(case, tensors, half))
@@ -329,11 +340,13 @@ def native_grad_weight_tolerance(case, tensors, grad_output, half):
 
 @HALF_TYPES
 @pytest.mark.parametrize("shape", ["awkward", "panels_depth_blocks", "odd_depths", "many_tiles"])
-def test_gradients_on_the_native_path(half, shape):
+@pytest.mark.parametrize("gemm", ["portable", "own"])
+def test_gradients_on_the_native_path(half, shape, gemm):
     """Every gradient on the native path: the weight's within the columns' rounding (native_grad_weight_tolerance);
     input, offset, bias and mask from sums of exact half products in float32, so within float32's tolerance of the
     float32 reference plus one half unit (test_properties.assert_half_close). On the float32 path each gradient is
     the float32 one rounded, bit for bit."""
+    mode = native_gemm_path(half, gemm)
     case = make_case(torch.float32, **NATIVE_SHAPES[shape])
     tensors = halves(case, half)
     out_shape = case.call(ours, tensors).shape
@@ -343,7 +356,7 @@ def test_gradients_on_the_native_path(half, shape):
         leaves = [t.detach().clone().requires_grad_() for t in ts]
         return list(torch.autograd.grad(case.call(fn, leaves), leaves, g))
 
-    with half_gemm_path("portable"):
+    with half_gemm_path(mode):
         native = grads(ours, tensors, grad_output)
     expected_weight, tolerance = native_grad_weight_tolerance(case, tensors, grad_output, half)
     error = (native[2].double() - expected_weight).abs()

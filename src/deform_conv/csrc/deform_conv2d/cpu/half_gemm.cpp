@@ -200,11 +200,44 @@ std::string cpu_half_path(c10::ScalarType dtype) {
 
 int64_t packed_width(int64_t width) { return (width + 15) / 16 * 16; }
 
+namespace {
+
+// b [k, width] (half_t, leading dimension ld_b) in VNNI pairs at `packed` ([even(k) / 2, ld] 32-bit words: row 2i's
+// element j in the low half of word (i, j), row 2i + 1's in the high half), zero past k rows and width columns: one
+// pass over the rows where they lie, a word at a time. (Element by element through a staged copy, the packing of
+// the backward's columns for the weight's gradient took 10% of the CPU time of S1's bfloat16 forward+backward on the
+// Zen 4 EPYC; so, S1 forward+backward 4% faster, G1 and S3 2%.)
+template <typename half_t>
+void pack_pairs_of_rows(int64_t k, int64_t width, const half_t* b, int64_t ld_b, int64_t ld, half_t* packed) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed) % sizeof(uint32_t) == 0,
+              "deform_conv: pack_pairs_of_rows needs a packed panel aligned to 4 bytes");
+  uint32_t* words = reinterpret_cast<uint32_t*>(packed);
+  for (int64_t i = 0; i < even(k) / 2; ++i) {
+    const uint16_t* __restrict__ low = reinterpret_cast<const uint16_t*>(b + 2 * i * ld_b);
+    uint32_t* __restrict__ out = words + i * ld;
+    if (2 * i + 1 < k) {
+      const uint16_t* __restrict__ high = reinterpret_cast<const uint16_t*>(b + (2 * i + 1) * ld_b);
+      for (int64_t j = 0; j < width; ++j) out[j] = uint32_t(low[j]) | uint32_t(high[j]) << 16;
+    } else {
+      for (int64_t j = 0; j < width; ++j) out[j] = low[j];
+    }
+    std::fill(out + width, out + ld, 0u);
+  }
+}
+
+}  // namespace
+
 template <typename half_t, typename source_t>
 void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const source_t* b, int64_t ld_b,
                        half_t* packed) {
   TORCH_CHECK(width <= kPanelWidth, "deform_conv: pack_weight_panel(width=", width, ")");
   const int64_t ld = packed_width(width);
+  if constexpr (std::is_same_v<source_t, half_t>) {
+    if (gemm.layout == HalfGemm::Layout::vnni_pairs) {
+      pack_pairs_of_rows(k, width, b, ld_b, ld, packed);
+      return;
+    }
+  }
   // Where ATen packs blocks of an even number of half_t rows as wide as the packed panel, it reads them where they
   // lie and writes every element of the panel; otherwise the panel starts from zeros.
   const bool packs_in_place = std::is_same_v<source_t, half_t> && gemm.layout == HalfGemm::Layout::aten_packed &&
@@ -238,7 +271,7 @@ void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const sou
         at::native::cpublas::pack(padded, width, width, ld, c10::CppTypeToScalarType<half_t>::value,
                                   c10::CppTypeToScalarType<half_t>::value, staged.data(), to);
         break;
-      case HalfGemm::Layout::vnni_pairs:  // rows 2r and 2r + 1 interleaved: element (r, j) at r/2 * 2ld + 2j + r%2
+      case HalfGemm::Layout::vnni_pairs:  // (a float32 source) element (r, j) at r/2 * 2ld + 2j + r%2
         for (int64_t r = 0; r < padded; ++r) {
           for (int64_t j = 0; j < width; ++j) to[r / 2 * 2 * ld + 2 * j + r % 2] = staged[r * width + j];
         }
