@@ -145,6 +145,19 @@ def test_onednn_isa_names_an_instruction_set():
         assert isa != "unknown"
 
 
+def test_the_cpu_is_named_with_its_family_model_and_vector_sets():
+    zen4 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+            "model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512bw avx512_bf16\n\n"
+            "processor\t: 1\nmodel name\t: other\n")
+    assert environment.parse_cpu(zen4) == "AMD EPYC (family 25, model 17; AVX2, AVX-512, AVX512-BF16)"
+    spr = "cpu family : 6\nmodel : 143\nmodel name : Xeon\nflags : avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16\n"
+    assert environment.parse_cpu(spr) == "Xeon (family 6, model 143; AVX2, AVX-512, AVX512-BF16, AVX512-FP16, AMX)"
+    assert environment.parse_cpu("model name : Old\nflags : sse2\n") == (
+        "Old (family ?, model ?; none of AVX2, AVX-512, AMX)")
+    assert environment.parse_cpu("Hardware : some board\n") is None
+    assert environment.cpu_name().strip()
+
+
 def test_interleaved_medians_call_each_at_least_three_times_in_turns():
     order = []
     calls = {name: (lambda name=name: order.append(name)) for name in "abc"}

@@ -78,16 +78,46 @@ def _half_notes(dtype: torch.dtype) -> str:
     return notes + ("" if path is None else f"; ours' {name} path: {path}")
 
 
+# The instruction sets the kernels' speed depends on, as /proc/cpuinfo's flags name them, and as the tables do.
+_VECTOR_FEATURES = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"),
+                    ("avx512_fp16", "AVX512-FP16"), ("amx_bf16", "AMX"))
+
+
+def parse_cpu(cpuinfo: str) -> Optional[str]:
+    """The first processor of /proc/cpuinfo's text: its model name, family and model (one name may cover several
+    generations: "AMD EPYC" is Zen 3 as family 25 model 1 and Zen 4 as family 25 model 17), and which of the vector
+    instruction sets the kernels use it has. None where the text names no model."""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    if "model name" not in fields:
+        return None
+    flags = set(fields.get("flags", "").split())
+    features = [name for flag, name in _VECTOR_FEATURES if flag in flags]
+    where = f"family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}"
+    return f"{fields['model name']} ({where}; {', '.join(features) or 'none of AVX2, AVX-512, AMX'})"
+
+
+def cpu_name() -> str:
+    """This machine's CPU (parse_cpu), or what the platform module says where /proc/cpuinfo is not there."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            named = parse_cpu(f.read())
+    except OSError:
+        named = None
+    return named or platform.processor() or platform.machine()
+
+
 def environment(malloc_steadied: bool = False, dtype: torch.dtype = torch.float32,
                 threads: Optional[Sequence[int]] = None) -> str:
     """One line: the CPU, cores and threads (`threads`: the counts of a scaling table), the versions, the dtype,
     and oneDNN's ISA (plus, for a half dtype, how conv2d and ours run it)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     try:
         import torchvision
         tv = torchvision.__version__
