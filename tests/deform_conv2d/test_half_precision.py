@@ -286,9 +286,9 @@ def test_native_forward_of_a_layer_whose_tiles_do_not_fit(half, batch, tiled):
 @pytest.mark.parametrize("groups", [1, 2])
 def test_native_forward_of_a_layer_whose_tiles_do_not_fit_here(half, groups):
     """The same tiled layer on this CPU's own path, and in two weight groups (40 output channels each: a panel of
-    16, 16 and 8 columns, packed to 48). With AMX its weight is packed into VNNI pairs by one transpose of 32-bit
-    words (cpu_half_path says so; the library checked that ATen packs the same bits when it chose the path).
-    Without a native path, the float32 path rounded, bit for bit."""
+    16, 16 and 8 columns, packed to 48). With AMX or AVX512-BF16 its weight is packed into VNNI pairs by one
+    transpose of 32-bit words (cpu_half_path says so; for AMX the library checked that ATen packs the same bits when
+    it chose the path). Without a native path, the float32 path rounded, bit for bit."""
     case = make_case(torch.float32, **dict(LARGE_LAYER, groups=groups), batch=2)
     tensors = halves(case, half)
     with half_gemm_path("auto"):
