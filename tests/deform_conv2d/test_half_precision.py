@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from helpers.deform_conv2d import PROFILE, assert_half_close, half_gemm_path, make_case, reference_in_float32
 
 import deform_conv
+from deform_conv._bench.environment import first_processor
 
 ours = deform_conv.deform_conv2d
 reference = deform_conv.deform_conv2d_reference
@@ -456,13 +457,10 @@ def amd_with_avx512_bf16() -> bool:
     """Whether /proc/cpuinfo names an AMD CPU with AVX512-BF16 (Zen 4 and later): the one kind without AMX whose
     bfloat16 GEMMs outrun float32's (cpu/half_gemm.cpp)."""
     try:
-        info = Path("/proc/cpuinfo").read_text()
+        cpu = first_processor(Path("/proc/cpuinfo").read_text())
     except OSError:
         return False
-    lines = info.splitlines()
-    vendor = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "")
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    return vendor == "AuthenticAMD" and "avx512_bf16" in flags
+    return cpu.get("vendor_id") == "AuthenticAMD" and "avx512_bf16" in cpu.get("flags", "").split()
 
 
 @pytest.mark.parametrize("isa", ["AVX2", "AVX512_CORE", "AVX512_CORE_BF16"])

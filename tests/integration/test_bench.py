@@ -150,6 +150,8 @@ def test_the_cpu_is_named_with_its_family_model_and_vector_sets():
             "model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512bw avx512_bf16\n\n"
             "processor\t: 1\nmodel name\t: other\n")
     assert environment.parse_cpu(zen4) == "AMD EPYC (family 25, model 17; AVX2, AVX-512, AVX512-BF16)"
+    first = environment.first_processor(zen4)
+    assert first["vendor_id"] == "AuthenticAMD" and first["model name"] == "AMD EPYC"  # not processor 1's "other"
     spr = "cpu family : 6\nmodel : 143\nmodel name : Xeon\nflags : avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16\n"
     assert environment.parse_cpu(spr) == "Xeon (family 6, model 143; AVX2, AVX-512, AVX512-BF16, AVX512-FP16, AMX)"
     assert environment.parse_cpu("model name : Old\nflags : sse2\n") == (

@@ -9,7 +9,7 @@ import platform
 import re
 import subprocess
 import sys
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -83,11 +83,9 @@ _VECTOR_FEATURES = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "A
                     ("avx512_fp16", "AVX512-FP16"), ("amx_bf16", "AMX"))
 
 
-def parse_cpu(cpuinfo: str) -> Optional[str]:
-    """The first processor of /proc/cpuinfo's text: its model name, family and model (one name may cover several
-    generations: "AMD EPYC" is Zen 3 as family 25 model 1 and Zen 4 as family 25 model 17), and which of the vector
-    instruction sets the kernels use it has. None where the text names no model."""
-    fields = {}
+def first_processor(cpuinfo: str) -> Dict[str, str]:
+    """The fields of the first processor in /proc/cpuinfo's text ("vendor_id", "model name", "flags", ...)."""
+    fields: Dict[str, str] = {}
     for line in cpuinfo.splitlines():
         if not line.strip():
             if fields:
@@ -95,6 +93,14 @@ def parse_cpu(cpuinfo: str) -> Optional[str]:
             continue
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def parse_cpu(cpuinfo: str) -> Optional[str]:
+    """The first processor of /proc/cpuinfo's text: its model name, family and model (one name may cover several
+    generations: "AMD EPYC" is Zen 3 as family 25 model 1 and Zen 4 as family 25 model 17), and which of the vector
+    instruction sets the kernels use it has. None where the text names no model."""
+    fields = first_processor(cpuinfo)
     if "model name" not in fields:
         return None
     flags = set(fields.get("flags", "").split())

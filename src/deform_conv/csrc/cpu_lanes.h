@@ -189,16 +189,23 @@ inline void round_lanes(const V& lanes, c10::Half* p) {
 // calling convention between the instruction sets a portable library is compiled for.)
 inline void load_lanes(const float* p, FloatLanes& lanes) { std::memcpy(&lanes, p, sizeof(lanes)); }
 
-// bfloat16 (widen_lanes). A library compiled for AVX512-BF16 zero-extends with an instruction of its own: GCC's
-// vector conversion compiles to a slower sequence there.
-DC_AVX512_ASM inline void load_lanes(const c10::BFloat16* p, FloatLanes& lanes) {
 #if defined(DC_CPU_AVX512_BF16)
+// 16 bfloat16 bit patterns widened to float, exactly: each zero-extended by an instruction of its own (GCC's vector
+// conversion compiles to a slower sequence in a library compiled for AVX512-BF16), then moved to the upper half.
+DC_AVX512_ASM inline void widen_bfloat16_bits(const HalfBitLanes& half, FloatLanes& lanes) {
   BitLanes bits;
-  HalfBitLanes half;
-  std::memcpy(&half, p, sizeof(half));
   asm("vpmovzxwd %1, %0" : "=v"(bits) : "v"(half));
   bits <<= 16;
   std::memcpy(&lanes, &bits, sizeof(lanes));
+}
+#endif
+
+// bfloat16 (widen_lanes; widen_bfloat16_bits in a library compiled for AVX512-BF16).
+DC_AVX512_ASM inline void load_lanes(const c10::BFloat16* p, FloatLanes& lanes) {
+#if defined(DC_CPU_AVX512_BF16)
+  HalfBitLanes half;
+  std::memcpy(&half, p, sizeof(half));
+  widen_bfloat16_bits(half, lanes);
 #else
   widen_lanes(p, lanes);
 #endif

@@ -17,7 +17,6 @@
 #include <vector>
 
 #include "brgemm.h"
-#include "half_conversion.h"
 #include "transpose.h"
 
 namespace deform_conv {
@@ -227,63 +226,49 @@ void pack_pairs_of_rows(int64_t k, int64_t width, const half_t* b, int64_t ld_b,
 
 }  // namespace
 
-template <typename half_t, typename source_t>
-void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const source_t* b, int64_t ld_b,
-                       half_t* packed) {
+template <typename half_t>
+void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const half_t* b, int64_t ld_b, half_t* packed) {
   TORCH_CHECK(width <= kPanelWidth, "deform_conv: pack_weight_panel(width=", width, ")");
   const int64_t ld = packed_width(width);
-  if constexpr (std::is_same_v<source_t, half_t>) {
-    if (gemm.layout == HalfGemm::Layout::vnni_pairs) {
+  switch (gemm.layout) {
+    case HalfGemm::Layout::vnni_pairs:
       pack_pairs_of_rows(k, width, b, ld_b, ld, packed);
       return;
-    }
+    case HalfGemm::Layout::plain:  // the rows as they are, zero past k rows (to pairs) and width columns
+      for (int64_t r = 0; r < even(k); ++r) {
+        half_t* to = packed + r * ld;
+        if (r < k) {
+          std::copy(b + r * ld_b, b + r * ld_b + width, to);
+        } else {
+          std::fill(to, to + width, half_t(0.f));
+        }
+        std::fill(to + width, to + ld, half_t(0.f));
+      }
+      return;
+    case HalfGemm::Layout::aten_packed:
+      break;
+    case HalfGemm::Layout::none:
+      TORCH_CHECK(false, "deform_conv: no half-precision GEMM to pack for");
   }
-  // Where ATen packs blocks of an even number of half_t rows as wide as the packed panel, it reads them where they
-  // lie and writes every element of the panel; otherwise the panel starts from zeros.
-  const bool packs_in_place = std::is_same_v<source_t, half_t> && gemm.layout == HalfGemm::Layout::aten_packed &&
-                              k % 2 == 0 && width == ld;
+  // ATen's packing. Where it packs blocks of an even number of rows as wide as the packed panel, it reads them where
+  // they lie and writes every element of the panel; otherwise the panel starts from zeros, and each block of rows is
+  // first copied to [even(rows), width], the row past an odd k zero.
+  const bool packs_in_place = k % 2 == 0 && width == ld;
   if (!packs_in_place) std::fill(packed, packed + even(k) * ld, half_t(0.f));
-  // Each block of rows first in half_t, [even(rows), width], the row past an odd k zero: what ATen's packing
-  // reads, and the source of the layouts written here.
   thread_local std::vector<half_t> staged;
   staged.resize(kDepthBlock * kPanelWidth);
+  constexpr at::ScalarType kType = c10::CppTypeToScalarType<half_t>::value;
   for (int64_t k0 = 0; k0 < k; k0 += kDepthBlock) {
     const int64_t rows = std::min(kDepthBlock, k - k0), padded = even(rows);
-    if constexpr (std::is_same_v<source_t, half_t>) {
-      if (packs_in_place) {
-        at::native::cpublas::pack(rows, width, ld_b, ld, c10::CppTypeToScalarType<half_t>::value,
-                                  c10::CppTypeToScalarType<half_t>::value, b + k0 * ld_b, packed + k0 * ld);
-        continue;
-      }
+    if (packs_in_place) {
+      at::native::cpublas::pack(rows, width, ld_b, ld, kType, kType, b + k0 * ld_b, packed + k0 * ld);
+      continue;
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const source_t* from = b + (k0 + r) * ld_b;
-      if constexpr (std::is_same_v<source_t, float>) {
-        narrow(from, width, staged.data() + r * width);
-      } else {
-        std::copy(from, from + width, staged.data() + r * width);
-      }
+      std::copy(b + (k0 + r) * ld_b, b + (k0 + r) * ld_b + width, staged.data() + r * width);
     }
     std::fill(staged.data() + rows * width, staged.data() + padded * width, half_t(0.f));
-    half_t* to = packed + k0 * ld;
-    switch (gemm.layout) {
-      case HalfGemm::Layout::aten_packed:
-        at::native::cpublas::pack(padded, width, width, ld, c10::CppTypeToScalarType<half_t>::value,
-                                  c10::CppTypeToScalarType<half_t>::value, staged.data(), to);
-        break;
-      case HalfGemm::Layout::vnni_pairs:  // (a float32 source) element (r, j) at r/2 * 2ld + 2j + r%2
-        for (int64_t r = 0; r < padded; ++r) {
-          for (int64_t j = 0; j < width; ++j) to[r / 2 * 2 * ld + 2 * j + r % 2] = staged[r * width + j];
-        }
-        break;
-      case HalfGemm::Layout::plain:
-        for (int64_t r = 0; r < padded; ++r) {
-          std::copy(staged.data() + r * width, staged.data() + (r + 1) * width, to + r * ld);
-        }
-        break;
-      case HalfGemm::Layout::none:
-        TORCH_CHECK(false, "deform_conv: no half-precision GEMM to pack for");
-    }
+    at::native::cpublas::pack(padded, width, width, ld, kType, kType, staged.data(), packed + k0 * ld);
   }
 }
 
@@ -320,8 +305,7 @@ void release_half_gemm_context(const HalfGemm& gemm) {
 }
 
 #define DEFORM_CONV_INSTANTIATE(T)                                                                          \
-  template void pack_weight_panel<T, T>(const HalfGemm&, int64_t, int64_t, const T*, int64_t, T*);         \
-  template void pack_weight_panel<T, float>(const HalfGemm&, int64_t, int64_t, const float*, int64_t, T*); \
+  template void pack_weight_panel<T>(const HalfGemm&, int64_t, int64_t, const T*, int64_t, T*);            \
   template void pack_panel_columns<T>(const HalfGemm&, int64_t, int64_t, const T*, int64_t, int64_t, int64_t, T*); \
   template void half_gemm_on_this_thread<T>(const HalfGemm&, int64_t, int64_t, int64_t, const T*, int64_t,  \
                                             const T*, float*, int64_t, bool);

@@ -49,11 +49,10 @@ int64_t packed_width(int64_t width);
 // Rows of the packed weight: the depth rounded up to pairs.
 inline int64_t even(int64_t k) { return k + k % 2; }
 
-// b [k, width] (row-major, leading dimension ld_b; in half_t, or float32 rounded once to it) into `packed`
-// [even(k), packed_width(width)] in the layout `gemm` reads, zero past k rows and width columns.
-template <typename half_t, typename source_t>
-void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const source_t* b, int64_t ld_b,
-                       half_t* packed);
+// b [k, width] (row-major, leading dimension ld_b) into `packed` [even(k), packed_width(width)] in the layout `gemm`
+// reads, zero past k rows and width columns.
+template <typename half_t>
+void pack_weight_panel(const HalfGemm& gemm, int64_t k, int64_t width, const half_t* b, int64_t ld_b, half_t* packed);
 
 // Columns [j0, j0 + count) of a packed panel (its packed width ld, at `packed`) from their rows `rows` [count, k]
 // (leading dimension ld_rows; k and ld_rows even), where gemm.packs_vnni_pairs: each pair of the panel's rows is

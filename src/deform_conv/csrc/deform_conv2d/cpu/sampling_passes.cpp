@@ -119,10 +119,7 @@ struct GroupVector {
         : "=v"(half)
         : "r"(uint32_t(lanes)), "m"(*reinterpret_cast<const uint16_t(*)[kSumLanes]>(pixel + first_channel))
         : "k1");
-    BitLanes bits;
-    asm("vpmovzxwd %1, %0" : "=v"(bits) : "v"(half));
-    bits <<= 16;
-    std::memcpy(&v, &bits, sizeof(v));
+    widen_bfloat16_bits(half, v);
   }
 #endif
 
